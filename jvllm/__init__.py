@@ -1,0 +1,27 @@
+"""jvllm: a JAX-native LLM inference and serving engine (PagedAttention, continuous batching).
+
+`from jvllm import LLM, SamplingParams`. The heavy names load lazily, so that
+host-only modules (`jvllm.engine`) import without jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from jvllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+_LAZY = {
+    "LLM": "jvllm.llm",
+    "RequestOutput": "jvllm.outputs",
+    "CompletionOutput": "jvllm.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jvllm' has no attribute {name!r}")

@@ -1,0 +1,208 @@
+"""KVCacheManager: per-request block tables, prefix caching and copy-on-write.
+
+Owns which physical block holds each position of each request (the slot of position p
+is `table[p // block_size] * block_size + p % block_size`), the chained hashes used to
+find a request's cached prefix, the prefix-cache hit counters, and the whole-block
+copies that copy-on-write asks of the model runner. It does not decide who runs next
+(the scheduler does) and never touches the device.
+
+A block table only changes at positions not yet computed, except by copy-on-write,
+whose (old, new) copy the runner applies before the step's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from jvllm.engine.block_pool import ROOT_CONTENT_ID, BlockPool
+from jvllm.engine.request import Request
+
+# Parent hash of every sequence's first block.
+ROOT_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block. It only indexes the cache: hits are verified."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class CachedPrefix(NamedTuple):
+    """The leading full blocks of a request found in the prefix cache."""
+
+    block_ids: list[int]
+    content_ids: list[int]
+    num_tokens: int
+
+
+EMPTY_PREFIX = CachedPrefix([], [], 0)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self._block_tables: dict[str, list[int]] = {}
+        # Chained hashes of a request's leading full blocks, extended on demand.
+        self._block_hashes: dict[str, list[int]] = {}
+        # Content ids of a request's leading full blocks that are cached (by it or others).
+        self._content_ids: dict[str, list[int]] = {}
+        self._blocks_to_copy: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table ([] when it holds no blocks)."""
+        return list(self._block_tables.get(request_id, ()))
+
+    @property
+    def num_allocated_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks - self.block_pool.num_free_blocks
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Longest run of cached full blocks within the request's first num_tokens - 1 tokens.
+
+        At least one token is left to compute, so the step has a logit to sample from.
+        Changes nothing; pass the result to `allocate_slots` to take the blocks.
+        """
+        if not self.enable_prefix_caching:
+            return EMPTY_PREFIX
+        block_ids: list[int] = []
+        content_ids: list[int] = []
+        parent = ROOT_CONTENT_ID
+        for index in range((request.num_tokens - 1) // self.block_size):
+            tokens = tuple(self._block_tokens(request, index))
+            cached = self.block_pool.lookup(self._block_hash(request, index), parent, tokens)
+            if cached is None:
+                break
+            block_ids.append(cached.block_id)
+            content_ids.append(cached.content_id)
+            parent = cached.content_id
+        return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_prefix: CachedPrefix | None = None,
+        num_reserved_tokens: int = 0,
+    ) -> bool:
+        """Make the table cover the request's next `num_new_tokens` positions.
+
+        The new tokens start at `request.num_computed_tokens`, or right after
+        `cached_prefix` when one is given (admission; the request holds no blocks yet).
+        The table is grown to at least `num_reserved_tokens` positions. A block about to
+        be written that others share is replaced by a private copy (copy-on-write).
+        Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        assert num_new_tokens >= 1, num_new_tokens
+        table = self._block_tables.get(request.request_id, [])
+        if cached_prefix is None:
+            prefix, start = EMPTY_PREFIX, request.num_computed_tokens
+        else:
+            assert not table and request.num_computed_tokens == 0, request
+            prefix, start = cached_prefix, cached_prefix.num_tokens
+        end = start + num_new_tokens
+        assert end <= request.num_tokens, (request, num_new_tokens)
+        num_held = len(table) + len(prefix.block_ids)
+        num_new_blocks = max(0, cdiv(max(end, num_reserved_tokens), self.block_size) - num_held)
+        shared = self._shared_blocks_in(table, start, end)
+        # Reviving a free cached block takes it out of the free queue too.
+        num_revived = sum(self.block_pool.ref_count(b) == 0 for b in prefix.block_ids)
+        if num_new_blocks + len(shared) > self.block_pool.num_free_blocks - num_revived:
+            return False
+
+        # Take the hits before allocating, so that allocation cannot evict them.
+        self.block_pool.incref(prefix.block_ids)
+        table = self._block_tables.setdefault(request.request_id, [])
+        table += prefix.block_ids
+        table += self.block_pool.allocate(num_new_blocks)
+        self._copy_on_write(table, shared, start)
+        if cached_prefix is not None and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+            self._content_ids[request.request_id] = list(prefix.content_ids)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, end)
+        return True
+
+    def fork(self, source_id: str, child_id: str, num_tokens: int) -> None:
+        """Share the source's blocks covering its first `num_tokens` positions with the child.
+
+        The child writes past `num_tokens`; if that lands in a shared block,
+        `allocate_slots` gives the child its own copy first.
+        """
+        assert child_id not in self._block_tables, f"{child_id} already holds blocks"
+        source_table = self._block_tables[source_id]
+        shared = source_table[: cdiv(num_tokens, self.block_size)]
+        assert len(shared) * self.block_size >= num_tokens, (source_id, num_tokens)
+        self.block_pool.incref(shared)
+        self._block_tables[child_id] = list(shared)
+        if self.enable_prefix_caching:
+            source_content = self._content_ids.get(source_id, [])
+            self._content_ids[child_id] = source_content[: num_tokens // self.block_size]
+
+    def free(self, request_id: str) -> None:
+        """Release everything the request holds; a request holding nothing is fine."""
+        # Tail blocks first: they are the least likely to be shared, so evict them first.
+        self.block_pool.free(reversed(self._block_tables.pop(request_id, [])))
+        self._block_hashes.pop(request_id, None)
+        self._content_ids.pop(request_id, None)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The (src, dst) copies requested since the last call, in order.
+
+        No pair reads a block that an earlier pair writes, so the runner may apply them
+        in order or all at once (gather every src, then scatter to every dst).
+        """
+        copies, self._blocks_to_copy = self._blocks_to_copy, []
+        written: set[int] = set()
+        for src, dst in copies:
+            assert src not in written and dst not in written, copies
+            written.add(dst)
+        return copies
+
+    def _shared_blocks_in(self, table: list[int], start: int, end: int) -> list[int]:
+        """Indices of blocks in the table that positions [start, end) write and others hold."""
+        first, stop = start // self.block_size, min(cdiv(end, self.block_size), len(table))
+        return [i for i in range(first, stop) if self.block_pool.ref_count(table[i]) > 1]
+
+    def _copy_on_write(self, table: list[int], indices: list[int], start: int) -> None:
+        for index in indices:
+            old = table[index]
+            (table[index],) = self.block_pool.allocate(1)
+            # A block with no computed position yet has nothing worth copying.
+            if index * self.block_size < start:
+                self._blocks_to_copy.append((old, table[index]))
+            self.block_pool.free([old])
+
+    def _register_full_blocks(self, request: Request, table: list[int], end: int) -> None:
+        """Cache the blocks that are full once positions below `end` are written.
+
+        Registering at allocation is safe: the step's forward writes all its K/V before
+        any attention reads them, so a request admitted later in this step may hit them.
+        """
+        content_ids = self._content_ids.setdefault(request.request_id, [])
+        for index in range(len(content_ids), end // self.block_size):
+            parent = content_ids[-1] if content_ids else ROOT_CONTENT_ID
+            tokens = tuple(self._block_tokens(request, index))
+            block_hash = self._block_hash(request, index)
+            content_id = self.block_pool.register(table[index], block_hash, parent, tokens)
+            if content_id is None:
+                return  # hash collision: this prefix and everything after it stay uncached
+            content_ids.append(content_id)
+
+    def _block_tokens(self, request: Request, index: int) -> list[int]:
+        return request.get_token_ids(index * self.block_size, (index + 1) * self.block_size)
+
+    def _block_hash(self, request: Request, index: int) -> int:
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        while len(hashes) <= index:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
+        return hashes[index]

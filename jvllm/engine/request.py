@@ -1,0 +1,94 @@
+"""Request: one sequence's tokens and scheduling state, and its status.
+
+Owns the per-request counters the scheduler advances. It does not own the request's
+KV blocks (the KV cache manager does) nor its text or stop checks (the LLM engine does).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from jvllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str:
+        """The OpenAI/vLLM finish reason ("stop", "length", "abort") of a finished status."""
+        assert self.is_finished, f"{self} is not a finished status"
+        return _FINISH_REASONS[self]
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence: its prompt, the tokens sampled so far and how far its K/V is computed.
+
+    `fork_source` names a running sibling with the same prompt whose KV blocks this
+    request may share at admission (the n > 1 children of one user request).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float = 0.0,
+        fork_source: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.fork_source = fork_source
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        # Tokens whose K/V are in the cache; reset to 0 when preempted (recompute).
+        self.num_computed_tokens = 0
+        # Prefix-cache hit tokens at the first admission; -1 until admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without concatenating the whole sequence."""
+        assert 0 <= start <= stop <= self.num_tokens, (start, stop, self.num_tokens)
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""Model building blocks: attention dispatch, rotary embeddings, norms, linear layers, sampler."""

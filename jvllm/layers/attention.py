@@ -1,0 +1,53 @@
+"""Attention over the paged KV cache: metadata pytree and backend dispatch.
+
+Owns `AttentionMetadata` (the per-step arrays every layer shares) and the choice
+between the reference jax.numpy attention and GPU kernels. Backends receive one
+layer's cache and return it updated with this step's K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jvllm.kernels import reference
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array  # [T] int32; padding tokens write into null block 0
+    query_start_loc: jax.Array  # [S + 1] int32
+    seq_lens: jax.Array  # [S] int32; 0 for padding rows
+    block_tables: jax.Array  # [S, W] int32; unused entries 0
+
+
+KVCache = tuple[jax.Array, jax.Array]  # K and V, each [num_blocks, block_size, Hkv, D]
+
+
+def paged_attention(
+    backend: str,
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> tuple[jax.Array, KVCache]:
+    """Writes this step's K/V into the cache, then attends through the block tables."""
+    if backend != "reference":
+        raise ValueError(f"attention backend {backend!r} is not available on this build")
+    k_cache, v_cache = reference.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    out = reference.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        sliding_window,
+    )
+    return out, (k_cache, v_cache)

@@ -1,0 +1,246 @@
+"""Sampler: turns one step's logits into token ids and logprobs, on device.
+
+Owns `SamplingMetadata` (the per-row sampling arrays, a pytree passed into the jitted
+step), `sample()` (penalties, greedy, temperature, min_p, top_k, top_p, seeded draws,
+raw logprobs) and `make_sampling_metadata()`, which packs host-side `SamplingParams`
+into padded numpy arrays.
+
+Does not own: resolving a request's seed (the engine), choosing the bucket sizes S and
+P (the runner), moving the arrays to the device (the runner), or slicing the top
+logprobs down to what each request asked for (the engine).
+
+Every sampling knob is an array, never a static argument: new temperatures or seeds
+reuse the compiled program; only the shapes S, V and P select one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jvllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+
+# The runner builds these on the host as numpy; inside jit they are jax arrays.
+Array = jax.Array | np.ndarray
+
+_U32_MAX = 2**32 - 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling arrays for one step; every field is data, none static."""
+
+    temperature: Array  # f32[S]; < SAMPLING_EPS means greedy
+    top_p: Array  # f32[S]; 1.0 = off
+    top_k: Array  # i32[S]; 0 = off
+    min_p: Array  # f32[S]; 0.0 = off
+    presence_penalty: Array  # f32[S]
+    frequency_penalty: Array  # f32[S]
+    repetition_penalty: Array  # f32[S]; 1.0 = off
+    seeds: Array  # u32[S]
+    step_index: Array  # i32[S]; tokens the row's request has generated so far
+    penalty_token_ids: Array  # i32[S, P]; prompt and output ids, -1 = padding
+    penalty_is_output: Array  # bool[S, P]; True where the id is an output token
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; raw log_softmax at the sampled token
+    top_ids: jax.Array  # i32[S, K], K = min(MAX_LOGPROBS, V)
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """Choose one token per row; jit-compatible, no branching on parameter values.
+
+    Row i's token depends only on logits[i] and row i's parameters, seed and step index,
+    never on the other rows or on how many padding rows the batch carries.
+    """
+    logits = logits.astype(jnp.float32)  # [S, V]
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+    penalised = apply_penalties(logits, md)  # [S, V]
+    greedy = md.temperature < SAMPLING_EPS  # [S]
+    greedy_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)  # [S]
+
+    def mixed() -> jax.Array:
+        return jnp.where(greedy, greedy_ids, _draw(filter_logits(penalised, md), md))
+
+    # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
+    token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
+    logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]  # [S]
+    top_logprobs, top_ids = lax.top_k(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return SamplerOutput(token_ids, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt + output), then frequency and presence (output only)."""
+    if md.penalty_token_ids.shape[-1] == 0:  # static: no row in this bucket has penalties
+        return logits
+    active = jnp.any(
+        (md.repetition_penalty != 1.0)
+        | (md.frequency_penalty != 0.0)
+        | (md.presence_penalty != 0.0)
+    )
+    return lax.cond(active, _penalise, lambda lg, _: lg, logits, md)
+
+
+def _penalise(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    num_rows, vocab = logits.shape
+    valid = md.penalty_token_ids >= 0  # [S, P]
+    # Padding goes to index V, which mode="drop" discards (-1 would wrap to V - 1).
+    ids = jnp.where(valid, md.penalty_token_ids, vocab)  # [S, P]
+    rows = jnp.arange(num_rows)[:, None]  # [S, 1]
+    counted = (valid & md.penalty_is_output).astype(jnp.float32)  # [S, P]
+    output_counts = jnp.zeros_like(logits).at[rows, ids].add(counted, mode="drop")  # [S, V]
+    seen = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")  # [S, V]
+    rep = md.repetition_penalty[:, None]  # [S, 1]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+
+def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Temperature, then min_p, top_k, top_p; dropped tokens become -inf.
+
+    Greedy rows are scaled by 1 (their result is not used). The sort behind top_k/top_p
+    runs only when some sampled row enables one of them.
+    """
+    num_rows, vocab = logits.shape
+    greedy = md.temperature < SAMPLING_EPS  # [S]
+    temperature = jnp.where(greedy, 1.0, md.temperature)  # [S]
+    scaled = logits / temperature[:, None]  # [S, V]
+    # prob < min_p * max_prob  <=>  logit - max_logit < log(min_p); log(0) = -inf keeps all.
+    row_max = jnp.max(scaled, axis=-1, keepdims=True)  # [S, 1]
+    scaled = jnp.where(scaled - row_max < jnp.log(md.min_p)[:, None], -jnp.inf, scaled)
+    top_k = jnp.where((md.top_k <= 0) | (md.top_k > vocab), vocab, md.top_k)  # [S]
+    needs_sort = jnp.any(~greedy & ((top_k < vocab) | (md.top_p < 1.0)))
+    threshold = lax.cond(
+        needs_sort,
+        _top_k_top_p_threshold,
+        lambda *_: jnp.full((num_rows,), -jnp.inf, jnp.float32),
+        scaled,
+        top_k,
+        md.top_p,
+    )  # [S]
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Smallest logit each row keeps under top_k and then top_p (ties at it are kept)."""
+    vocab = scaled.shape[-1]
+    sorted_desc = jnp.sort(scaled, axis=-1)[:, ::-1]  # [S, V]
+    in_top_k = jnp.arange(vocab)[None, :] < top_k[:, None]  # [S, V]
+    # Unnormalised probabilities of the top-k set; top_p acts on them renormalised.
+    weights = jnp.where(in_top_k, jnp.exp(sorted_desc - sorted_desc[:, :1]), 0.0)  # [S, V]
+    cumulative = jnp.cumsum(weights, axis=-1)  # [S, V]
+    mass_before = cumulative - weights  # [S, V]
+    # Keep a token while the mass above it is still short of top_p; the top token always
+    # stays (mass 0). top_p = 1 keeps the whole set even where exp() underflows to 0.
+    within_p = (mass_before < top_p[:, None] * cumulative[:, -1:]) | (top_p[:, None] >= 1.0)
+    num_keep = jnp.sum(in_top_k & within_p, axis=-1)  # [S], >= 1; the kept set is a prefix
+    return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Gumbel-max draw from softmax(filtered), one independent key per row."""
+    vocab = filtered.shape[-1]
+
+    def row_noise(seed: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)  # [V]
+
+    # vmap keeps each row's noise a function of its own key alone, whatever S is.
+    noise = jax.vmap(row_noise)(md.seeds, md.step_index)  # [S, V]
+    return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """Host-side description of one batch row."""
+
+    params: SamplingParams
+    seed: int  # resolved per request by the engine, in [0, 2**32)
+    step_index: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+def penalty_width_needed(rows: Sequence[SamplingRow]) -> int:
+    """The P that `make_sampling_metadata` needs for these rows; 0 when none penalises."""
+    return max(
+        (len(_penalty_entries(row)[0]) for row in rows if row.params.uses_penalties),
+        default=0,
+    )
+
+
+def _penalty_entries(row: SamplingRow) -> tuple[list[int], list[bool]]:
+    # Repetition only asks whether an id occurred, so prompt ids are deduplicated and
+    # dropped when an output repeats them; outputs keep one entry per occurrence because
+    # the frequency penalty counts them.
+    outputs = list(row.output_token_ids)
+    prompt_only = sorted(set(row.prompt_token_ids) - set(outputs))
+    return prompt_only + outputs, [False] * len(prompt_only) + [True] * len(outputs)
+
+
+def make_sampling_metadata(
+    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int
+) -> SamplingMetadata:
+    """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised."""
+    if len(rows) > num_rows:
+        raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
+    if penalty_width < 0:
+        raise ValueError(f"penalty_width must be >= 0, got {penalty_width}")
+    md = SamplingMetadata(
+        temperature=np.zeros(num_rows, np.float32),
+        top_p=np.ones(num_rows, np.float32),
+        top_k=np.zeros(num_rows, np.int32),
+        min_p=np.zeros(num_rows, np.float32),
+        presence_penalty=np.zeros(num_rows, np.float32),
+        frequency_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.ones(num_rows, np.float32),
+        seeds=np.zeros(num_rows, np.uint32),
+        step_index=np.zeros(num_rows, np.int32),
+        penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
+        penalty_is_output=np.zeros((num_rows, penalty_width), bool),
+    )
+    for i, row in enumerate(rows):
+        _fill_row(md, i, row)
+    return md
+
+
+def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
+    """Write row i into md's (freshly allocated, still private) numpy buffers."""
+    if not 0 <= row.seed <= _U32_MAX:
+        raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row.seed}")
+    if row.step_index < 0:
+        raise ValueError(f"row {i}: step_index must be >= 0, got {row.step_index}")
+    p = row.params
+    md.temperature[i] = p.temperature
+    md.top_p[i] = p.top_p
+    md.top_k[i] = max(p.top_k, 0)  # SamplingParams says -1 for off; the device says 0
+    md.min_p[i] = p.min_p
+    md.presence_penalty[i] = p.presence_penalty
+    md.frequency_penalty[i] = p.frequency_penalty
+    md.repetition_penalty[i] = p.repetition_penalty
+    md.seeds[i] = row.seed
+    md.step_index[i] = row.step_index
+    if not p.uses_penalties:
+        return
+    ids, is_output = _penalty_entries(row)
+    width = md.penalty_token_ids.shape[1]
+    if len(ids) > width:
+        raise ValueError(
+            f"row {i} needs penalty_width >= {len(ids)}, got {width}; "
+            "size it with penalty_width_needed(rows)"
+        )
+    if any(t < 0 for t in ids):
+        raise ValueError(f"row {i}: token ids must be >= 0 (-1 is padding)")
+    md.penalty_token_ids[i, : len(ids)] = ids
+    md.penalty_is_output[i, : len(ids)] = is_output

@@ -1,0 +1,1 @@
+"""Flax model definitions, the architecture registry and the checkpoint loader."""

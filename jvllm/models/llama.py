@@ -1,0 +1,185 @@
+"""Flax decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+Owns the forward pass over a flattened ragged batch and one paged KV cache per
+layer. The architectures differ only in switches carried by `ModelSpec`
+(q/k/v bias, per-head q/k RMSNorm, sliding window, tied embeddings).
+Parameter names mirror the Hugging Face checkpoint (`model.layers_0.self_attn...`)
+and weights keep its `[out, in]` layout, so loading never transposes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
+from jvllm.models.spec import ModelSpec
+
+_init = nn.initializers.normal(0.02)
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b) with W stored `[out, in]` as in the checkpoint."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", _init, (self.features, x.shape[-1]), self.dtype)
+        y = jnp.einsum("...i,oi->...o", x, w)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        # Normalise in float32, cast back before the scale, as Transformers does.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return w * x32.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    spec: ModelSpec
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,  # [T, H]
+        cos_sin: tuple[jax.Array, jax.Array],
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        s, t = self.spec, x.shape[0]
+        q = Linear(s.num_heads * s.head_dim, s.qkv_bias, self.dtype, name="q_proj")(x)
+        k = Linear(s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, name="k_proj")(x)
+        v = Linear(s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, name="v_proj")(x)
+        q = q.reshape(t, s.num_heads, s.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = RMSNorm(s.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(s.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q = apply_rotary(q, *cos_sin)
+        k = apply_rotary(k, *cos_sin)
+        out, cache = paged_attention(
+            self.backend, q, k, v, cache, meta, s.head_dim**-0.5, s.sliding_window
+        )
+        out = Linear(s.hidden_size, s.o_bias, self.dtype, name="o_proj")(out.reshape(t, -1))
+        return out, cache
+
+
+class MLP(nn.Module):
+    spec: ModelSpec
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        s = self.spec
+        gate = Linear(s.intermediate_size, s.mlp_bias, self.dtype, name="gate_proj")(x)
+        up = Linear(s.intermediate_size, s.mlp_bias, self.dtype, name="up_proj")(x)
+        return Linear(s.hidden_size, s.mlp_bias, self.dtype, name="down_proj")(
+            jax.nn.silu(gate) * up
+        )
+
+
+class DecoderLayer(nn.Module):
+    spec: ModelSpec
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        cos_sin: tuple[jax.Array, jax.Array],
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        eps = self.spec.rms_norm_eps
+        h, cache = Attention(self.spec, self.dtype, self.backend, name="self_attn")(
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x), cos_sin, cache, meta
+        )
+        x = x + h
+        x = x + MLP(self.spec, self.dtype, name="mlp")(
+            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        )
+        return x, cache
+
+
+class DecoderModel(nn.Module):
+    """`model.*` in the checkpoint: embeddings, layers and the final norm."""
+
+    spec: ModelSpec
+    dtype: jnp.dtype
+    backend: str
+
+    def setup(self) -> None:
+        s = self.spec
+        self.embed_tokens = nn.Embed(
+            s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype
+        )
+        self.layers = [DecoderLayer(s, self.dtype, self.backend) for _ in range(s.num_layers)]
+        self.norm = RMSNorm(s.rms_norm_eps, self.dtype)
+        self.inv_freq = inverse_frequencies(s.rope, s.head_dim)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32
+        caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        x = self.embed_tokens(token_ids)  # [T, H]
+        cos_sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x, cache = layer(x, cos_sin, cache, meta)
+            new_caches.append(cache)
+        return self.norm(x), new_caches
+
+    def embedding(self) -> jax.Array:  # [V, H]
+        return self.embed_tokens.embedding
+
+
+class CausalLM(nn.Module):
+    """The whole checkpoint: `model.*` plus `lm_head` (absent when tied)."""
+
+    spec: ModelSpec
+    dtype: jnp.dtype
+    backend: str = "reference"
+
+    def setup(self) -> None:
+        self.model = DecoderModel(self.spec, self.dtype, self.backend)
+        if not self.spec.tie_word_embeddings:
+            self.lm_head = Linear(self.spec.vocab_size, False, self.dtype)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        """Final-norm hidden states `[T, H]` of every token, and the updated caches."""
+        return self.model(token_ids, positions, caches, meta)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
+        if self.spec.tie_word_embeddings:
+            w = self.model.embedding()
+            return jnp.einsum("rh,vh->rv", hidden, w, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)

@@ -1,0 +1,161 @@
+"""Loads a local Hugging Face checkpoint directory into Flax parameters on device.
+
+Owns config.json parsing, dtype resolution, and the name/shape check of every
+tensor against the Flax module's abstract parameters. Each tensor goes from its
+memory map straight to the target dtype and onto the device, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jvllm.layers.attention import AttentionMetadata
+from jvllm.models.registry import model_class
+from jvllm.models.safetensors_index import SafetensorsIndex
+from jvllm.models.spec import ModelSpec, spec_from_hf_config
+
+_DTYPE_NAMES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+Params = dict[str, Any]
+# Places one host array on device(s); receives the parameter's HF name.
+PlaceFn = Callable[[str, np.ndarray], jax.Array]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    spec: ModelSpec
+    module: nn.Module
+    params: Params
+    dtype: jnp.dtype
+    hf_config: dict[str, Any]
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: invalid JSON ({e.msg}, line {e.lineno})") from None
+
+
+def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
+    """`auto` keeps the checkpoint's own dtype (float32 when config.json names none)."""
+    if dtype == "auto":
+        dtype = spec.torch_dtype or "float32"
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPE_NAMES)}; got {dtype!r}")
+    return jnp.dtype(_DTYPE_NAMES[dtype])
+
+
+def abstract_params(module: nn.Module, spec: ModelSpec) -> Params:
+    """Parameter shapes and dtypes, traced without allocating anything."""
+    cache = (jnp.zeros((2, 1, spec.num_kv_heads, spec.head_dim), module.dtype),) * 2
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros(1, jnp.int32),
+        query_start_loc=jnp.array([0, 1], jnp.int32),
+        seq_lens=jnp.ones(1, jnp.int32),
+        block_tables=jnp.zeros((1, 1), jnp.int32),
+    )
+    tokens = jnp.zeros(1, jnp.int32)
+    caches = [cache] * spec.num_layers
+    # Trace the forward and the logits head, so lm_head's parameters exist too.
+    everything = lambda m, *args: m.logits(m(*args)[0])
+    init = lambda: module.init(jax.random.key(0), tokens, tokens, caches, meta, method=everything)
+    return jax.eval_shape(init)["params"]
+
+
+def hf_name(path: tuple[str, ...]) -> str:
+    """('model', 'layers_3', 'mlp', 'up_proj', 'weight') -> 'model.layers.3.mlp.up_proj.weight'."""
+    parts = []
+    for p in path:
+        if p.startswith("layers_"):
+            parts += ["layers", p.removeprefix("layers_")]
+        else:
+            parts.append("weight" if p == "embedding" else p)
+    return ".".join(parts)
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", place: PlaceFn | None = None
+) -> LoadedModel:
+    model_dir = Path(model_dir)
+    hf_config = read_config(model_dir)
+    spec = spec_from_hf_config(hf_config)
+    target = resolve_dtype(dtype, spec)
+    module = model_class(spec.architecture)(spec=spec, dtype=target)
+    expected = abstract_params(module, spec)
+    index = SafetensorsIndex(model_dir)
+    place = place or (lambda _name, arr: jax.device_put(arr))
+    flat = {}
+    for path, shaped in _flatten(expected):
+        name = hf_name(path)
+        if name not in index.entries:
+            raise ValueError(
+                f"{model_dir}: checkpoint has no tensor {name!r} (shape {shaped.shape})"
+            )
+        array = index.array(name)
+        if array.shape != shaped.shape:
+            raise ValueError(
+                f"{index.entries[name].file}: tensor {name!r} has shape {array.shape}, "
+                f"expected {shaped.shape} from config.json"
+            )
+        flat[path] = place(name, _convert(array, shaped.dtype))
+    _check_unused(model_dir, index.names() - {hf_name(p) for p in flat}, spec)
+    return LoadedModel(spec, module, _unflatten(flat), target, hf_config)
+
+
+def _convert(array: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
+    target = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+    return array if array.dtype == target else array.astype(target)
+
+
+def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
+    unused = {n for n in unused if not n.endswith(_IGNORED_SUFFIXES)}
+    if spec.tie_word_embeddings:
+        unused.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
+    if unused:
+        raise ValueError(
+            f"{model_dir}: checkpoint has tensors the {spec.architecture} model does not use: "
+            f"{sorted(unused)[:8]}"
+        )
+
+
+def _flatten(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _flatten(value, prefix + (key,))
+        else:
+            out.append((prefix + (key,), value))
+    return out
+
+
+def _unflatten(flat: dict[tuple[str, ...], Any]) -> Params:
+    tree: Params = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree

@@ -1,0 +1,28 @@
+"""Which `config.architectures` names jvllm serves, and with which Flax module."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+from jvllm.models.llama import CausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        ) from None

@@ -1,0 +1,1 @@
+"""The host/device boundary: batch packing and the jitted model step."""

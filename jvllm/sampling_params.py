@@ -1,0 +1,113 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Owns validation of every user-facing sampling knob (vLLM's names and defaults).
+Checks that need the model (vocabulary size, context length) live in the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+# Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+# Greedy sampling is used below this temperature (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters, validated on construction."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def _validate(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(
+                f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}"
+            )
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", "-1 (disabled) or an integer >= 1")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a finite number > 0")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,34 @@
+"""Shared fixtures: a locally trained tokenizer and tiny checkpoints of every architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jvllm.testing import ARCHITECTURES, make_checkpoint, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, Path]:
+    """arch -> float32 checkpoint directory."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {a: make_checkpoint(a, root / a, tokenizer_dir) for a in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints: dict[str, Path]) -> dict:
+    """arch -> the Transformers reference model (torch, CPU, float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return {a: AutoModelForCausalLM.from_pretrained(path).eval() for a, path in checkpoints.items()}
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request: pytest.FixtureRequest) -> str:
+    return request.param

@@ -1,0 +1,349 @@
+"""Tests for jvllm.layers.sampler against numpy (and torch for logprobs) references."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jvllm.layers.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    apply_penalties,
+    filter_logits,
+    make_sampling_metadata,
+    penalty_width_needed,
+    sample,
+)
+from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+sample_jit = jax.jit(sample)
+penalties_jit = jax.jit(apply_penalties)
+filter_jit = jax.jit(filter_logits)
+
+
+def _row(
+    seed: int = 0,
+    step: int = 0,
+    prompt: Sequence[int] = (),
+    output: Sequence[int] = (),
+    **params: Any,
+) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), seed, step, list(prompt), list(output))
+
+
+def _logits(rows: int, vocab: int, seed: int = 0, scale: float = 2.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+# ---- numpy references ---------------------------------------------------------------
+
+
+def np_penalise(
+    logits: np.ndarray,  # [V]
+    prompt: Sequence[int],
+    output: Sequence[int],
+    rep: float,
+    freq: float,
+    pres: float,
+) -> np.ndarray:
+    vocab = logits.shape[-1]
+    seen = np.zeros(vocab, bool)
+    seen[list(prompt) + list(output)] = True
+    counts = np.bincount(np.asarray(output, np.int64), minlength=vocab).astype(np.float32)
+    rep = np.float32(rep)
+    out = np.where(seen, np.where(logits > 0, logits / rep, logits * rep), logits)
+    out = out - np.float32(freq) * counts
+    return out - np.float32(pres) * (counts > 0)
+
+
+def np_distribution(
+    logits: np.ndarray,  # [V]
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> np.ndarray:  # [V]
+    """The renormalised distribution a sampled row draws from, in float64."""
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    allowed = probs >= min_p * probs.max()
+    order = np.argsort(-scaled)
+    if top_k > 0:
+        allowed &= np.isin(np.arange(len(scaled)), order[:top_k])
+    probs = np.where(allowed, probs, 0.0)
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep_sorted = (mass_before < top_p) & allowed[order]
+    allowed_final = np.zeros_like(allowed)
+    allowed_final[order[keep_sorted]] = True
+    probs = np.where(allowed_final, probs, 0.0)
+    return probs / probs.sum()
+
+
+FILTER_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=1.7),
+    dict(top_k=1),
+    dict(top_k=5),
+    dict(top_p=0.5),
+    dict(top_p=0.9),
+    dict(min_p=0.1),
+    dict(min_p=0.3, temperature=0.7),
+    dict(top_k=6, top_p=0.8),
+    dict(top_k=8, top_p=0.95, min_p=0.05, temperature=0.8),
+]
+
+
+# ---- penalties ----------------------------------------------------------------------
+
+
+def test_penalties_match_numpy() -> None:
+    vocab = 40
+    rows = [
+        _row(prompt=[1, 2, 3, 3], output=[3, 4, 4, 4], repetition_penalty=1.3),
+        _row(prompt=[5, 6], output=[6, 7, 7], frequency_penalty=0.7),
+        _row(prompt=[8], output=[8, 9, 9], presence_penalty=-1.2),
+        _row(
+            prompt=[0, 10, 11],
+            output=[11, 12, 12],
+            repetition_penalty=0.8,
+            frequency_penalty=-0.4,
+            presence_penalty=1.5,
+        ),
+        _row(prompt=[1, 2], output=[3]),  # no penalties: untouched
+        _row(prompt=[13, 14], output=[], repetition_penalty=2.0),  # prompt only
+    ]
+    md = make_sampling_metadata(rows, num_rows=8, penalty_width=penalty_width_needed(rows))
+    logits = _logits(8, vocab, seed=1)
+    got = np.asarray(penalties_jit(logits, md))
+    for i, row in enumerate(rows):
+        p = row.params
+        want = np_penalise(
+            logits[i],
+            row.prompt_token_ids,
+            row.output_token_ids,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+        )
+        # XLA may divide by r as a multiply by 1/r: allow that one rounding, nothing more.
+        np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-6, err_msg=f"row {i}")
+    np.testing.assert_array_equal(got[len(rows) :], logits[len(rows) :])  # padding rows
+
+
+def test_greedy_with_penalties_takes_argmax_of_penalised_logits() -> None:
+    vocab = 16
+    logits = np.zeros((2, vocab), np.float32)
+    logits[:, 3] = 5.0
+    logits[:, 4] = 4.0
+    rows = [_row(temperature=0, output=[3], presence_penalty=2.0), _row(temperature=0, output=[3])]
+    md = make_sampling_metadata(rows, 2, penalty_width_needed(rows))
+    assert np.asarray(sample_jit(logits, md).token_ids).tolist() == [4, 3]
+
+
+def test_penalty_width_zero_skips_penalties() -> None:
+    rows = [_row(temperature=0), _row(seed=3, temperature=1.0)]
+    assert penalty_width_needed(rows) == 0
+    md = make_sampling_metadata(rows, 2, 0)
+    assert md.penalty_token_ids.shape == (2, 0)
+    logits = _logits(2, 32)
+    np.testing.assert_array_equal(np.asarray(penalties_jit(logits, md)), logits)
+    assert int(sample_jit(logits, md).token_ids[0]) == int(np.argmax(logits[0]))
+
+
+# ---- greedy and logprobs ------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_padding_rows_are_greedy() -> None:
+    logits = _logits(6, 100, seed=2)
+    rows = [_row(temperature=0.0), _row(temperature=1e-6, top_k=3, top_p=0.2)]
+    md = make_sampling_metadata(rows, 6, 0)
+    np.testing.assert_array_equal(np.asarray(sample_jit(logits, md).token_ids), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
+    logits = _logits(5, 64, seed=3, scale=4.0)
+    rows = [
+        _row(
+            seed=i,
+            temperature=temperature,
+            top_k=4,
+            repetition_penalty=1.5,
+            frequency_penalty=1.0,
+            prompt=[1, 2],
+            output=[int(logits[i].argmax())],
+        )
+        for i in range(5)
+    ]
+    out = sample_jit(logits, make_sampling_metadata(rows, 5, penalty_width_needed(rows)))
+    ref = torch.log_softmax(torch.from_numpy(logits), dim=-1)
+    ids = torch.from_numpy(np.array(out.token_ids)).long()
+    np.testing.assert_allclose(out.logprobs, ref.gather(1, ids[:, None])[:, 0], atol=1e-5)
+    ref_top = torch.topk(ref, MAX_LOGPROBS, dim=-1)
+    assert out.top_ids.shape == (5, MAX_LOGPROBS)
+    np.testing.assert_array_equal(out.top_ids, ref_top.indices.numpy())
+    np.testing.assert_allclose(out.top_logprobs, ref_top.values.numpy(), atol=1e-5)
+
+
+# ---- filtering and sampling distribution ----------------------------------------------
+
+
+@pytest.mark.parametrize("params", FILTER_CASES, ids=str)
+def test_filter_keeps_exactly_the_numpy_allowed_set(params: dict) -> None:
+    logits = _logits(4, 50, seed=4)
+    md = make_sampling_metadata([_row(**params)] * 4, 4, 0)
+    got = np.asarray(filter_jit(logits, md))
+    for i in range(4):
+        want = np_distribution(logits[i], **params) > 0
+        np.testing.assert_array_equal(np.isfinite(got[i]), want, err_msg=f"row {i}")
+
+
+@pytest.mark.parametrize("params", FILTER_CASES, ids=str)
+def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
+    num, vocab = 4000, 12
+    logits = np.tile(_logits(1, vocab, seed=5, scale=1.5), (num, 1))
+    rows = [_row(seed=s, step=s % 7, **params) for s in range(num)]
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    want = np_distribution(logits[0], **params)
+    assert np.all(want[tokens] > 0), "sampled a token outside the allowed set"
+    freq = np.bincount(tokens, minlength=vocab) / num
+    # Deterministic seeds, so this 5-sigma bound never flakes; it catches a wrong scale.
+    bound = 5 * np.sqrt(want * (1 - want) / num) + 2 / num
+    assert np.all(np.abs(freq - want) <= bound), (freq, want)
+
+
+def test_one_seed_across_steps_matches_distribution() -> None:
+    num, vocab = 4000, 10
+    logits = np.tile(_logits(1, vocab, seed=6), (num, 1))
+    rows = [_row(seed=123, step=s, temperature=0.9) for s in range(num)]
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    want = np_distribution(logits[0], temperature=0.9)
+    freq = np.bincount(tokens, minlength=vocab) / num
+    assert np.all(np.abs(freq - want) <= 5 * np.sqrt(want * (1 - want) / num) + 2 / num)
+
+
+def test_sampled_tokens_stay_in_allowed_set_in_a_mixed_batch() -> None:
+    vocab, num = 30, 64
+    logits = _logits(num, vocab, seed=7)
+    rows = [_row(seed=1000 + i, **FILTER_CASES[i % len(FILTER_CASES)]) for i in range(num)]
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    for i, token in enumerate(tokens):
+        assert np_distribution(logits[i], **FILTER_CASES[i % len(FILTER_CASES)])[token] > 0
+
+
+# ---- determinism --------------------------------------------------------------------
+
+
+def test_row_token_ignores_other_rows_and_padding() -> None:
+    vocab = 200
+    target = _logits(1, vocab, seed=8, scale=0.5)[0]
+    cases = [dict(temperature=1.0), dict(top_p=0.9), dict(top_k=50, min_p=0.01)]
+    for params in cases:
+        tokens = set()
+        for others, num_rows, other_params in [
+            (0, 1, {}),
+            (3, 4, dict(temperature=0)),
+            (3, 8, dict(top_k=2, top_p=0.3)),
+            (5, 16, dict(temperature=2.0, repetition_penalty=1.2)),
+        ]:
+            rows = [_row(seed=42, step=9, **params)]
+            rows += [_row(seed=o, step=o, prompt=[1], **other_params) for o in range(others)]
+            logits = _logits(num_rows, vocab, seed=num_rows)
+            logits[0] = target
+            md = make_sampling_metadata(rows, num_rows, penalty_width_needed(rows))
+            tokens.add(int(sample_jit(logits, md).token_ids[0]))
+        assert len(tokens) == 1, (params, tokens)
+
+
+def test_step_index_and_seed_select_different_streams() -> None:
+    vocab, num = 1000, 64
+    logits = np.zeros((num, vocab), np.float32)  # uniform: every draw is pure noise
+
+    def draw(rows: list[SamplingRow]) -> np.ndarray:
+        return np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+
+    by_step = draw([_row(seed=5, step=s) for s in range(num)])
+    assert len(set(by_step.tolist())) > num * 0.9
+    by_seed = draw([_row(seed=s, step=0) for s in range(num)])
+    assert len(set(by_seed.tolist())) > num * 0.9
+    again = draw([_row(seed=5, step=s) for s in range(num)])
+    np.testing.assert_array_equal(by_step, again)
+    shifted = draw([_row(seed=5, step=s + 1) for s in range(num)])
+    np.testing.assert_array_equal(shifted[:-1], by_step[1:])
+    assert np.mean(shifted != by_step) > 0.9
+
+
+# ---- compilation --------------------------------------------------------------------
+
+
+def test_new_parameter_values_do_not_recompile() -> None:
+    traces = []
+
+    def counted(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+        traces.append(1)  # runs once per trace, i.e. once per compiled program
+        return sample(logits, md)
+
+    fn = jax.jit(counted)
+    logits = _logits(4, 32)
+    batches = [
+        [_row(temperature=0)] * 4,
+        [_row(seed=1, temperature=0.3, top_k=3)],
+        [_row(seed=2**32 - 1, step=77, top_p=0.5, min_p=0.2)],
+        [_row(seed=9, prompt=[1], output=[2, 2], repetition_penalty=1.1, presence_penalty=1.0)],
+        [_row(seed=3, temperature=1.9, frequency_penalty=-2.0, output=[5, 6, 7])],
+    ]
+    for rows in batches:
+        fn(logits, make_sampling_metadata(rows, 4, penalty_width=3)).token_ids.block_until_ready()
+    assert len(traces) == 1
+    assert fn._cache_size() == 1
+
+
+# ---- host-side packing --------------------------------------------------------------
+
+
+def test_make_sampling_metadata_packs_and_pads() -> None:
+    rows = [
+        _row(seed=7, step=3, temperature=0.5, top_k=-1, top_p=0.9, min_p=0.1),
+        _row(seed=8, prompt=[4, 4, 5, 6], output=[6, 9, 9], frequency_penalty=0.5),
+    ]
+    assert penalty_width_needed(rows) == 5  # prompt deduplicated, minus ids in the output
+    md = make_sampling_metadata(rows, num_rows=4, penalty_width=6)
+    dtypes = {f.name: getattr(md, f.name).dtype for f in dataclasses.fields(md)}
+    assert dtypes["seeds"] == np.uint32 and dtypes["penalty_is_output"] == np.bool_
+    assert dtypes["top_k"] == np.int32 and dtypes["temperature"] == np.float32
+    assert md.top_k.tolist() == [0, 0, 0, 0]
+    assert md.temperature.tolist() == [0.5, 1.0, 0.0, 0.0]  # padding rows are greedy
+    assert md.seeds.tolist() == [7, 8, 0, 0] and md.step_index.tolist() == [3, 0, 0, 0]
+    assert md.penalty_token_ids[0].tolist() == [-1] * 6  # no penalties: no tokens needed
+    assert md.penalty_token_ids[1].tolist() == [4, 5, 6, 9, 9, -1]
+    assert md.penalty_is_output[1].tolist() == [False, False, True, True, True, False]
+    assert md.repetition_penalty.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_rows", "width", "match"),
+    [
+        ([_row()] * 3, 2, 0, "num_rows"),
+        ([_row()], 1, -1, "penalty_width"),
+        ([_row(prompt=[1, 2], output=[3], presence_penalty=1.0)], 1, 2, "penalty_width >= 3"),
+        ([_row(seed=2**32)], 1, 0, "seed"),
+        ([_row(seed=-1)], 1, 0, "seed"),
+        ([_row(step=-1)], 1, 0, "step_index"),
+        ([_row(prompt=[-1], repetition_penalty=1.1)], 1, 1, "token ids"),
+    ],
+)
+def test_make_sampling_metadata_rejects(
+    rows: list[SamplingRow], num_rows: int, width: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_sampling_metadata(rows, num_rows, width)
