@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
@@ -111,3 +112,15 @@ class SamplingParams:
 
 def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One batch row as the sampler sees it: the request's parameters, its resolved
+    seed, how many tokens it has generated so far, and its token history."""
+
+    params: SamplingParams
+    seed: int  # resolved per sequence by the engine, in [0, 2**32)
+    step_index: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]

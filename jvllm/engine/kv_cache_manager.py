@@ -70,7 +70,8 @@ class KVCacheManager:
         At least one token is left to compute, so the step has a logit to sample from.
         Changes nothing; pass the result to `allocate_slots` to take the blocks.
         """
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need the logits of every prompt position, cached or not.
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return EMPTY_PREFIX
         block_ids: list[int] = []
         content_ids: list[int] = []

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jvllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jvllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingRow
 
 # The runner builds these on the host as numpy; inside jit they are jax arrays.
 Array = jax.Array | np.ndarray
@@ -159,17 +159,6 @@ def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
     # vmap keeps each row's noise a function of its own key alone, whatever S is.
     noise = jax.vmap(row_noise)(md.seeds, md.step_index)  # [S, V]
     return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-    """Host-side description of one batch row."""
-
-    params: SamplingParams
-    seed: int  # resolved per request by the engine, in [0, 2**32)
-    step_index: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
 
 
 def penalty_width_needed(rows: Sequence[SamplingRow]) -> int:

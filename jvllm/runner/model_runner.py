@@ -1,22 +1,31 @@
 """ModelRunner: owns the parameters, the paged KV cache and the jitted step.
 
 The only place that moves data between host and device. Per step: one packed
-int32 buffer (and the sampling arrays) in, sampled tokens and logprobs out. The
-KV cache is donated to every call, so it is updated in place. Every distinct
-static shape compiles once; `num_compilations` counts them.
+int32 buffer and the sampling arrays in; sampled tokens and logprobs out. The
+forward and the sampler are two jitted programs dispatched back to back with no
+host sync between them (the logits never leave the device), so sampling options
+that change the sampler's shapes (penalty history width) never recompile the
+model. The KV cache is donated to every call and so updated in place.
+
+Static shapes: T (tokens) is padded to a power of two from 16 up to
+`max_num_batched_tokens`; S (rows) to `min(T, max_num_seqs)`, so one forward
+program exists per T bucket. `num_compilations` counts every trace.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
+from jvllm.layers.sampler import SamplingRow
 from jvllm.models.loader import LoadedModel
 from jvllm.runner.input_batch import (
     BatchShape,
@@ -26,9 +35,21 @@ from jvllm.runner.input_batch import (
     pow2_buckets,
     unpack,
 )
+from jvllm.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 8
+MIN_PENALTY_BUCKET = 64
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's sampler output, one entry per scheduled row."""
+
+    token_ids: np.ndarray  # [R] int32
+    logprobs: np.ndarray  # [R] float32
+    top_ids: np.ndarray  # [R, K] int32
+    top_logprobs: np.ndarray  # [R, K] float32
+    all_logprobs: list[np.ndarray] | None  # per row [n, V] log_softmax of every new token
 
 
 class ModelRunner:
@@ -45,15 +66,48 @@ class ModelRunner:
         self.spec = loaded.spec
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
         self.width = math.ceil(max_model_len / block_size)
         self.token_buckets = pow2_buckets(MIN_TOKEN_BUCKET, max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(MIN_SEQ_BUCKET, max_num_seqs)
+        self.penalty_buckets = pow2_buckets(MIN_PENALTY_BUCKET, max(max_model_len, 64))
         self.num_compilations = 0
         self.caches = self._allocate_cache(num_blocks)
         self._forward_fn = jax.jit(
-            self._forward_logits, static_argnames=("shape",), donate_argnames=("caches",)
+            self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
-        self._all_logits_fn = jax.jit(self._all_logits)
+        self._sample_fn = jax.jit(self._sample)
+        self._all_logprobs_fn = jax.jit(self._all_logprobs)
+        self._copy_fn = jax.jit(self._copy_blocks, donate_argnames=("caches",))
+
+    # -- device programs (each body runs only while tracing, hence the counters) --
+
+    def _forward(
+        self, params: Any, caches: list[KVCache], packed: jax.Array, shape: BatchShape
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        self.num_compilations += 1
+        inp = unpack(packed, shape)
+        module = self.model.module
+        hidden, caches = module.apply(
+            {"params": params}, inp.token_ids, inp.positions, caches, inp.attn
+        )
+        last = hidden[inp.logits_indices]  # [S, H]
+        logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
+        return logits, hidden, caches
+
+    def _sample(self, logits: jax.Array, md: sampler.SamplingMetadata) -> sampler.SamplerOutput:
+        self.num_compilations += 1
+        return sampler.sample(logits, md)
+
+    def _all_logprobs(self, params: Any, hidden: jax.Array) -> jax.Array:  # [T, V]
+        self.num_compilations += 1
+        module = self.model.module
+        return jax.nn.log_softmax(module.apply({"params": params}, hidden, method=module.logits))
+
+    def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
+        self.num_compilations += 1
+        return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in caches]
+
+    # -- host side --
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         s = self.spec
@@ -64,44 +118,74 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ]
 
-    def batch_shape(self, rows: Sequence[StepRow]) -> BatchShape:
-        num_tokens = sum(len(r.token_ids) for r in rows)
-        return BatchShape(
-            num_tokens=pick_bucket(num_tokens, self.token_buckets),
-            num_seqs=pick_bucket(min(len(rows), self.seq_buckets[-1]), self.seq_buckets),
-            width=self.width,
-        )
+    def batch_shape(self, num_tokens: int) -> BatchShape:
+        t = pick_bucket(num_tokens, self.token_buckets)
+        return BatchShape(num_tokens=t, num_seqs=min(t, self.max_num_seqs), width=self.width)
 
-    def _forward_logits(
-        self, params: Any, caches: list[KVCache], packed: jax.Array, shape: BatchShape
-    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        self.num_compilations += 1  # runs only while tracing, i.e. once per compilation
-        inp = unpack(packed, shape)
-        module = self.model.module
-        hidden, caches = module.apply(
-            {"params": params}, inp.token_ids, inp.positions, caches, inp.attn
+    def _run_forward(
+        self, rows: Sequence[StepRow], shape: BatchShape | None = None
+    ) -> tuple[jax.Array, jax.Array, BatchShape]:
+        shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
+        packed = pack_rows(rows, shape, self.block_size)
+        logits, hidden, self.caches = self._forward_fn(
+            self.model.params, self.caches, jnp.asarray(packed), shape=shape
         )
-        last = hidden[inp.logits_indices]  # [S, H]
-        logits = module.apply({"params": params}, last, method=module.logits)
-        return logits, hidden, caches
+        return logits, hidden, shape
 
-    def _all_logits(self, params: Any, hidden: jax.Array) -> jax.Array:  # [T, H] -> [T, V]
-        self.num_compilations += 1
-        module = self.model.module
-        return module.apply({"params": params}, hidden, method=module.logits)
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: whole-block copies, applied before the step that needs them."""
+        for lo in range(0, len(pairs), self.max_num_seqs):
+            chunk = list(pairs[lo : lo + self.max_num_seqs])
+            chunk += [(0, 0)] * (self.max_num_seqs - len(chunk))  # null-block no-ops
+            src, dst = (jnp.asarray(np.array(c, np.int32)) for c in zip(*chunk, strict=True))
+            self.caches = self._copy_fn(self.caches, src, dst)
+
+    def execute(
+        self,
+        rows: Sequence[StepRow],
+        sampling_rows: Sequence[SamplingRow],
+        want_all_logprobs: bool = False,
+    ) -> StepResult:
+        """One engine step: forward, sample every row, bring the results to the host."""
+        assert len(rows) == len(sampling_rows)
+        logits, hidden, shape = self._run_forward(rows)
+        needed = sampler.penalty_width_needed(sampling_rows)
+        width = pick_bucket(needed, self.penalty_buckets) if needed else 0
+        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width)
+        out = self._sample_fn(logits, md)
+        all_logprobs = None
+        if want_all_logprobs:
+            every = np.asarray(self._all_logprobs_fn(self.model.params, hidden))
+            bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
+            all_logprobs = [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        out = jax.device_get(out)  # the one sync per step: the scheduler needs the tokens
+        n = len(rows)
+        return StepResult(
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], all_logprobs
+        )
 
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False
     ) -> list[np.ndarray]:
         """Runs one step; each row's logits: `[V]` of its last token, or `[n, V]` of
-        all its n new tokens when `every_token` (tests and prompt scoring)."""
-        shape = self.batch_shape(rows)
-        packed = pack_rows(rows, shape, self.block_size)
-        logits, hidden, self.caches = self._forward_fn(
-            self.model.params, self.caches, jnp.asarray(packed), shape=shape
-        )
+        all its n new tokens when `every_token` (tests and scoring)."""
+        logits, hidden, _ = self._run_forward(rows)
         if not every_token:
-            return list(np.asarray(logits)[: len(rows)])  # sync: the caller needs host values
-        all_logits = np.asarray(self._all_logits_fn(self.model.params, hidden))
+            return list(np.asarray(logits)[: len(rows)])
+        module = self.model.module
+        every = np.asarray(
+            module.apply({"params": self.model.params}, hidden, method=module.logits)
+        )
         bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
-        return [all_logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def warm_up(self) -> None:
+        """Compiles every program serving can need (penalised sampling aside)."""
+        greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
+        for t in self.token_buckets:
+            # No real rows: every token is padding and writes into the null block.
+            logits, hidden, shape = self._run_forward([], self.batch_shape(t))
+            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
+            jax.block_until_ready(self._sample_fn(logits, md))
+            jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden))
+        self.copy_blocks([(0, 0)])

@@ -1,0 +1,59 @@
+"""Incremental detokenization and stop-string detection for one sequence.
+
+Owns turning a growing list of output token ids into text deltas without
+re-decoding the whole output each step, holding back incomplete UTF-8 (a
+trailing U+FFFD) until the next token completes it. A few prompt tokens seed the
+window so that tokenizers which mark word starts (SentencePiece's leading space)
+decode the first output token with its space.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as decoding context.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def append(self, token_id: int) -> str | None:
+        """Adds one token; returns the stop string it completed, if any."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # nothing printable yet (or a partial UTF-8 sequence)
+        before = len(self.output_text)
+        self.output_text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return self._check_stop(before)
+
+    def _check_stop(self, before: int) -> str | None:
+        for stop in self._stop:
+            # A stop string may straddle the old text and the new delta.
+            idx = self.output_text.find(stop, max(0, before - len(stop) + 1))
+            if idx >= 0:
+                end = idx + len(stop) if self._include_stop else idx
+                self.output_text = self.output_text[:end]
+                return stop
+        return None

@@ -1,0 +1,244 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+Owns request validation, the fan-out of `n > 1` into sibling sequences, seeds,
+stop checks (EOS, stop token ids, stop strings, max_tokens, max_model_len),
+incremental detokenization, logprob bookkeeping and metrics. Scheduling belongs
+to `Scheduler`; all device work to the runner it is given (`StepRunner`), so this
+module stays host-only and never imports jax.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jvllm.config import EngineConfig
+from jvllm.engine.request import Request, RequestStatus
+from jvllm.engine.scheduler import ScheduledRequest, Scheduler
+from jvllm.engine.sequence_group import SequenceGroup, SequenceState
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams, SamplingRow
+
+
+class StepRunner(Protocol):
+    """What the engine needs from the device side (`jvllm.runner.ModelRunner`)."""
+
+    num_compilations: int
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def execute(
+        self,
+        rows: Sequence[ScheduledRequest],
+        sampling_rows: Sequence[SamplingRow],
+        want_all_logprobs: bool = False,
+    ) -> Any: ...
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        runner: StepRunner,
+        num_blocks: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self._rng = random.Random(config.model_config.seed)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._seqs: dict[str, SequenceState] = {}  # child request id -> its state
+        self._finished_outputs: list[RequestOutput] = []  # aborted before their next step
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- requests in --
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError before it enters the engine."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = SequenceGroup(request_id, text, ids, params, arrival)
+        for index in range(params.n):
+            child_id = f"{request_id}#{index}" if params.n > 1 else request_id
+            source = group.child_ids[0] if index else None
+            request = Request(child_id, ids, params, arrival, fork_source=source)
+            seed = self._seed_for(params, index)
+            state = SequenceState(request, index, seed, self.tokenizer, request_id)
+            group.add(state)
+            self._seqs[child_id] = state
+        self._groups[request_id] = group
+        for state in group.children:
+            self.scheduler.add_request(state.request)
+        self.prompt_tokens += len(ids)
+
+    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it must hold at least one character")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list | tuple):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt)}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                "it must be shorter, to leave room for at least one generated token"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _seed_for(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return self._rng.getrandbits(32)
+        # Siblings of one seeded request draw distinct, reproducible streams.
+        return random.Random(f"{params.seed}:{index}").getrandbits(32)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request (all its sequences) and frees its blocks at once."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for state in group.children:
+            if not state.finished:
+                state.finish("abort")
+                self.scheduler.finish_request(
+                    state.request.request_id, RequestStatus.FINISHED_ABORTED
+                )
+        self._finished_outputs.append(self._retire(group))
+
+    # -- one step --
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs one device step, and returns the outputs of every request
+        that progressed (cumulative, like vLLM's default output kind)."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        sched = self.scheduler.schedule()
+        if sched.blocks_to_copy:
+            self.runner.copy_blocks(sched.blocks_to_copy)
+        if not sched.scheduled:
+            self.scheduler.update_from_output(sched, {})
+            return outputs
+        states = [self._seqs[row.request_id] for row in sched.scheduled]
+        sampling_rows = [
+            s.sampling_row() if row.samples else _IDLE_ROW
+            for s, row in zip(states, sched.scheduled, strict=True)
+        ]
+        want_prompt = [
+            s.wants_prompt_logprobs(row) for s, row in zip(states, sched.scheduled, strict=True)
+        ]
+        result = self.runner.execute(sched.scheduled, sampling_rows, any(want_prompt))
+        sampled = {
+            row.request_id: int(result.token_ids[i])
+            for i, row in enumerate(sched.scheduled)
+            if row.samples
+        }
+        self.scheduler.update_from_output(sched, sampled)
+        touched: dict[str, SequenceGroup] = {}
+        for i, (state, row) in enumerate(zip(states, sched.scheduled, strict=True)):
+            if want_prompt[i]:
+                state.add_prompt_logprobs(row, result.all_logprobs[i])
+            if row.samples:
+                self.generation_tokens += 1
+                state.add_token(result, i)
+                self._check_stop(state)
+            touched[state.group_id] = self._groups[state.group_id]
+        for group in touched.values():
+            outputs.append(self._retire(group) if group.finished else group.output())
+        return outputs
+
+    def _check_stop(self, state: SequenceState) -> None:
+        request, params = state.request, state.request.sampling_params
+        token = request.output_token_ids[-1]
+        num_out = len(request.output_token_ids)
+        reason: tuple[str, int | str | None] | None = None
+        if state.matched_stop is not None:
+            reason = ("stop", state.matched_stop)
+        elif num_out >= params.min_tokens and token in params.stop_token_ids:
+            reason = ("stop", token)
+        elif num_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
+            reason = ("stop", None)
+        elif num_out >= (params.max_tokens or self.max_model_len) or (
+            request.num_tokens >= self.max_model_len
+        ):
+            reason = ("length", None)
+        if reason is None:
+            return
+        state.finish(*reason)
+        status = (
+            RequestStatus.FINISHED_STOPPED if reason[0] == "stop" else RequestStatus.FINISHED_LENGTH
+        )
+        self.scheduler.finish_request(request.request_id, status)
+
+    def _retire(self, group: SequenceGroup) -> RequestOutput:
+        del self._groups[group.request_id]
+        for child_id in group.child_ids:
+            self._seqs.pop(child_id, None)
+        return group.output()
+
+    # -- metrics --
+
+    def get_metrics(self) -> dict[str, float]:
+        st = self.scheduler.stats()
+        return {
+            "num_requests_running": st.num_running,
+            "num_requests_waiting": st.num_waiting,
+            "kv_cache_usage_perc": st.kv_cache_usage_perc,
+            "num_free_blocks": st.num_free_blocks,
+            "num_total_blocks": st.num_total_blocks,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+            "num_preemptions": st.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "num_compilations": self.runner.num_compilations,
+            "num_live_tokens": st.num_live_tokens,
+            "num_allocated_slots": st.num_allocated_slots,
+        }
+
+
+# Rows that do not sample this step (a prompt chunk short of its end) still fill a row.
+_IDLE_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())

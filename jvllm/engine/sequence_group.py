@@ -1,0 +1,162 @@
+"""Per-request output state: one SequenceState per sampled sequence, grouped per request.
+
+Owns what a user sees of a request: decoded text, token ids, logprobs, prompt
+logprobs, finish reasons, and assembling `RequestOutput`. A request with `n > 1`
+is a group of n sibling sequences that the scheduler runs as separate requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jvllm.engine.detokenizer import IncrementalDetokenizer
+from jvllm.engine.request import Request
+from jvllm.engine.scheduler import ScheduledRequest
+from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from jvllm.sampling_params import SamplingParams, SamplingRow
+
+
+class SequenceState:
+    def __init__(
+        self, request: Request, index: int, seed: int, tokenizer: Any, group_id: str
+    ) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.group_id = group_id
+        self._tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(
+            tokenizer,
+            request.prompt_token_ids,
+            params.skip_special_tokens,
+            params.stop_strings,
+            params.include_stop_str_in_output,
+        )
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        # Position 0 has no logprob: nothing precedes it.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        )
+        self.matched_stop: str | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def sampling_row(self) -> SamplingRow:
+        r = self.request
+        return SamplingRow(
+            r.sampling_params,
+            self.seed,
+            len(r.output_token_ids),
+            r.prompt_token_ids,
+            r.output_token_ids,
+        )
+
+    def add_token(self, result: Any, row: int) -> None:
+        """Records the token the scheduler just appended; `result` is the runner's StepResult."""
+        token = self.request.output_token_ids[-1]
+        logprob = float(result.logprobs[row])
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            top = self.request.sampling_params.logprobs
+            ids, lps = result.top_ids[row][:top], result.top_logprobs[row][:top]
+            self.logprobs.append(self._position(token, logprob, ids, lps))
+        self.matched_stop = self.detok.append(token)
+
+    def wants_prompt_logprobs(self, row: ScheduledRequest) -> bool:
+        if self.prompt_logprobs is None:
+            return False
+        # This row's logits at position p score prompt token p + 1.
+        return len(self.prompt_logprobs) < self.request.num_prompt_tokens and (
+            row.start_position + len(row.token_ids) >= len(self.prompt_logprobs)
+        )
+
+    def add_prompt_logprobs(self, row: ScheduledRequest, logprobs: np.ndarray) -> None:
+        """logprobs `[n, V]`: log_softmax at each of the row's n new positions."""
+        assert self.prompt_logprobs is not None
+        prompt = self.request.prompt_token_ids
+        top = self.request.sampling_params.prompt_logprobs or 0
+        for j, lp in enumerate(logprobs):
+            target = row.start_position + j + 1
+            if target != len(self.prompt_logprobs) or target >= len(prompt):
+                continue  # already recorded (a recompute) or past the prompt
+            ids = np.argsort(-lp)[:top]
+            entry = self._position(prompt[target], float(lp[prompt[target]]), ids, lp[ids])
+            entry[prompt[target]] = Logprob(
+                float(lp[prompt[target]]),
+                int((lp > lp[prompt[target]]).sum()) + 1,
+                self._decode(prompt[target]),
+            )
+            self.prompt_logprobs.append(entry)
+
+    def _position(
+        self, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray
+    ) -> PositionLogprobs:
+        entry = {
+            int(t): Logprob(float(lp), rank + 1, self._decode(int(t)))
+            for rank, (t, lp) in enumerate(zip(top_ids, top_lps, strict=True))
+        }
+        if token not in entry:
+            entry[token] = Logprob(logprob, None, self._decode(token))
+        return {token: entry.pop(token), **entry}  # the chosen token first
+
+    def _decode(self, token: int) -> str:
+        return self._tokenizer.decode([token])
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detok.output_text,
+            token_ids=list(self.request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob
+            if math.isfinite(self.cumulative_logprob)
+            else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class SequenceGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    children: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [c.request.request_id for c in self.children]
+
+    def add(self, state: SequenceState) -> None:
+        self.children.append(state)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+    def output(self) -> RequestOutput:
+        first = self.children[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=[c.completion() for c in self.children],
+            finished=self.finished,
+            num_cached_tokens=max(first.request.num_cached_tokens, 0),
+        )

@@ -1,0 +1,154 @@
+"""EngineArgs: every engine knob in one place, and `create_engine()` that wires them.
+
+Owns turning user arguments into validated configs, loading the checkpoint and
+tokenizer, sizing the KV cache, building and warming up the model runner, and
+handing all of it to the host-only `LLMEngine`. The CLI and `LLM` both go
+through here, so their flags and keyword arguments stay the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.models.loader import LoadedModel, load_model
+from jvllm.models.spec import ModelSpec
+from jvllm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("jvllm")
+
+# KV-cache budget on a CPU backend, which reports no memory statistics.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    scheduling_policy: str = "continuous"
+    attention_backend: str = "auto"
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine(self) -> LLMEngine:
+        model_config = ModelConfig(
+            self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
+        )
+        parallel = ParallelConfig(self.tensor_parallel_size)
+        if parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported"
+            )
+        _resolve_backend(self.attention_backend)
+        loaded = load_model(self.model, self.dtype)
+        max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
+        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        scheduler = SchedulerConfig(
+            self.max_num_seqs, batched, max_model_len, self.scheduling_policy
+        )
+        cache = CacheConfig(
+            self.block_size,
+            self.gpu_memory_utilization,
+            self.num_gpu_blocks_override,
+            self.enable_prefix_caching,
+        )
+        num_blocks = self._num_blocks(loaded, cache, scheduler)
+        runner = ModelRunner(
+            loaded, num_blocks, self.block_size, max_model_len, self.max_num_seqs, batched
+        )
+        runner.warm_up()
+        tokenizer = load_tokenizer(self.tokenizer or self.model)
+        config = EngineConfig(model_config, cache, scheduler, parallel)
+        eos = eos_token_ids(Path(self.model), loaded.spec, tokenizer)
+        return LLMEngine(config, tokenizer, runner, num_blocks, loaded.spec.vocab_size, eos)
+
+    def _num_blocks(
+        self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig
+    ) -> int:
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        spec = loaded.spec
+        per_block = (
+            2
+            * spec.num_layers
+            * cache.block_size
+            * spec.num_kv_heads
+            * spec.head_dim
+            * loaded.dtype.itemsize
+        )
+        stats = jax.devices()[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            # Free device memory after the weights, less a margin for activations.
+            activations = 4 * scheduler.max_num_batched_tokens * spec.vocab_size * 4
+            budget = (
+                stats["bytes_limit"] * cache.gpu_memory_utilization
+                - stats.get("bytes_in_use", 0)
+                - activations
+            )
+        else:
+            budget = self.cpu_kv_cache_bytes
+        # More blocks than every sequence at full length can use would be idle memory.
+        useful = scheduler.max_num_seqs * math.ceil(scheduler.max_model_len / cache.block_size)
+        num_blocks = min(int(budget // per_block), useful) + 1  # + the null block
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks - 1, cache.block_size)
+        return num_blocks
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "triton":
+        raise ValueError(
+            "attention_backend='triton' is not available in this build; use 'reference' or 'auto'"
+        )
+    return "reference"
+
+
+def _resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    if requested is None:
+        return spec.max_position_embeddings
+    if requested > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings="
+            f"{spec.max_position_embeddings}"
+        )
+    return requested
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def eos_token_ids(model_dir: Path, spec: ModelSpec, tokenizer: Any) -> set[int]:
+    ids = set(spec.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids

@@ -1,0 +1,117 @@
+"""LLM: the offline API, `generate` and `chat` over a batch of prompts.
+
+Owns turning a user's batch into engine requests and collecting the finished
+outputs in input order, with a progress bar. Everything else is LLMEngine's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jvllm.engine_args import EngineArgs
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"LLM got unknown arguments: {sorted(unknown)}")
+        self.engine_args = EngineArgs(model=str(model), **kwargs)
+        self.engine = self.engine_args.create_engine()
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.engine.get_metrics()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        ids = self._add_all(prompts, params)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # The template already carries any special tokens it wants.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            # All or nothing: a bad prompt leaves no half-submitted batch behind.
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # drain the aborted outputs
+            raise
+        return added
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        start, out_tokens = time.perf_counter(), 0
+        while len(done) < len(wanted):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s")
+        bar.close()
+        return [done[i] for i in request_ids]

@@ -1,0 +1,467 @@
+"""Scheduler: budgets, chunked prefill, preemption, fork admission, the static policy."""
+
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from jvllm.config import CacheConfig, SchedulerConfig
+from jvllm.engine import kv_cache_manager
+from jvllm.engine.kv_cache_manager import cdiv
+from jvllm.engine.request import Request, RequestStatus
+from jvllm.engine.scheduler import Scheduler, SchedulerOutput
+from jvllm.sampling_params import SamplingParams
+
+BS = 8
+
+
+def _scheduler(
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_num_seqs: int = 8,
+    max_model_len: int = 64,
+    policy: str = "continuous",
+    prefix_caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs, budget, max_model_len, policy),
+        CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
+        num_blocks,
+    )
+
+
+def _add(scheduler: Scheduler, request_id: str, prompt: list[int], **kwargs) -> Request:
+    request = Request(request_id, prompt, SamplingParams(), **kwargs)
+    scheduler.add_request(request)
+    return request
+
+
+def _step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    output = scheduler.schedule()
+    sampled = {row.request_id: token for row in output.scheduled if row.samples}
+    scheduler.update_from_output(output, sampled)
+    return output
+
+
+def _rows(output: SchedulerOutput) -> dict[str, tuple[int, int, bool]]:
+    """request id -> (start_position, number of tokens, samples)."""
+    return {r.request_id: (r.start_position, len(r.token_ids), r.samples) for r in output.scheduled}
+
+
+def test_engine_package_never_imports_jax():
+    code = "import sys, jvllm.engine.scheduler; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefill_then_decode():
+    scheduler = _scheduler()
+    request = _add(scheduler, "a", [1, 2, 3])
+    output = _step(scheduler, token=9)
+    (row,) = output.scheduled
+    assert (row.token_ids, row.start_position, row.samples) == ([1, 2, 3], 0, True)
+    assert row.block_table == [1] and output.num_scheduled_tokens == 3
+    assert request.status is RequestStatus.RUNNING and request.output_token_ids == [9]
+    (row,) = _step(scheduler).scheduled
+    assert (row.token_ids, row.start_position, row.samples) == ([9], 3, True)
+    assert request.num_computed_tokens == 4 and request.all_token_ids == [1, 2, 3, 9, 7]
+    assert request.num_cached_tokens == 0
+
+
+def test_chunked_prefill_mixes_with_decodes():
+    scheduler = _scheduler(budget=16)
+    _add(scheduler, "a", [1, 2])
+    _step(scheduler)
+    _add(scheduler, "b", list(range(40)))
+    assert _rows(_step(scheduler)) == {"a": (2, 1, True), "b": (0, 15, False)}
+    assert _rows(_step(scheduler)) == {"a": (3, 1, True), "b": (15, 15, False)}
+    assert _rows(_step(scheduler)) == {"a": (4, 1, True), "b": (30, 10, True)}
+    assert _rows(_step(scheduler)) == {"a": (5, 1, True), "b": (40, 1, True)}
+
+
+def test_max_num_seqs_and_fifo_admission():
+    scheduler = _scheduler(max_num_seqs=2)
+    for name in "abc":
+        _add(scheduler, name, [1, 2, 3])
+    assert list(_rows(_step(scheduler))) == ["a", "b"]
+    scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    assert list(_rows(_step(scheduler))) == ["b", "c"]
+
+
+def test_budget_bounds_decodes_too():
+    scheduler = _scheduler(budget=2)
+    for name in "abc":
+        _add(scheduler, name, [5])
+    assert list(_rows(_step(scheduler))) == ["a", "b"]
+    assert list(_rows(_step(scheduler))) == ["a", "b"]  # running requests come first
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    # 4 usable blocks; prefix caching off so that b recomputes everything.
+    scheduler = _scheduler(num_blocks=5, max_model_len=32, prefix_caching=False)
+    a = _add(scheduler, "a", list(range(16)))
+    b = _add(scheduler, "b", list(range(100, 116)))
+    _add(scheduler, "c", [1])
+    _step(scheduler)  # a and b take 2 blocks each, c waits for blocks
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    output = _step(scheduler)  # both need a third block: b is preempted for a
+    assert output.preempted_request_ids == ["b"]
+    assert _rows(output) == {"a": (16, 1, True)}
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and scheduler.stats().num_preemptions == 1
+    assert scheduler.kv_cache_manager.get_block_table("b") == []
+    scheduler.finish_request("a", RequestStatus.FINISHED_LENGTH)
+    expected = b.all_token_ids  # its prompt and the token sampled before the preemption
+    output = _step(scheduler)
+    # b recomputes all its tokens as a prefill and samples the next one.
+    assert output.scheduled[0].request_id == "b"
+    assert output.scheduled[0].token_ids == expected and len(expected) == 17
+    assert _rows(output)["b"] == (0, 17, True)
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.num_cached_tokens == 0
+
+
+def test_a_request_that_cannot_grow_preempts_itself():
+    scheduler = _scheduler(num_blocks=5, max_model_len=32, prefix_caching=False)
+    _add(scheduler, "a", list(range(15)))
+    b = _add(scheduler, "b", list(range(16)))
+    _add(scheduler, "c", [1])
+    _step(scheduler)
+    output = _step(scheduler)  # a fits in its blocks; b is the tail and preempts itself
+    assert output.preempted_request_ids == ["b"]
+    assert _rows(output) == {"a": (15, 1, True)}
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # c is not admitted
+    assert b.status is RequestStatus.PREEMPTED
+
+
+def test_preempted_request_reuses_its_cached_blocks():
+    scheduler = _scheduler(num_blocks=5, max_model_len=32)
+    _add(scheduler, "a", list(range(16)))
+    b = _add(scheduler, "b", list(range(100, 116)))
+    _step(scheduler)
+    assert _step(scheduler).preempted_request_ids == ["b"]
+    scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    # a's new block evicted b's tail block; b's first block is still cached.
+    assert _rows(_step(scheduler))["b"] == (8, 9, True)
+    assert b.num_cached_tokens == 0  # recorded at the first admission only
+
+
+def test_fork_children_share_the_source_prompt():
+    prompt = list(range(20))
+    shared = _scheduler(prefix_caching=False)
+    src = _add(shared, "s", prompt)
+    c1 = _add(shared, "c1", prompt, fork_source="s")
+    c2 = _add(shared, "c2", prompt, fork_source="s")
+    _add(shared, "x", [4, 4])
+    assert list(_rows(_step(shared))) == ["s", "x"]  # children wait, x is not held up
+    output = _step(shared)
+    assert _rows(output) == {
+        "s": (20, 1, True),
+        "x": (2, 1, True),
+        "c1": (19, 1, True),
+        "c2": (19, 1, True),
+    }
+    assert len(output.blocks_to_copy) == 2  # each child copies the half-full third block
+    source_block = output.scheduled[0].block_table[2]
+    assert [pair[0] for pair in output.blocks_to_copy] == [source_block, source_block]
+    assert [row.block_table[:2] for row in output.scheduled[2:]] == [[1, 2], [1, 2]]
+    assert c1.num_cached_tokens == 19 and src.num_cached_tokens == 0
+    assert c1.output_token_ids == c2.output_token_ids == [7]
+
+    private = _scheduler(prefix_caching=False)
+    for name in ("s", "c1", "c2"):
+        _add(private, name, prompt)
+    _add(private, "x", [4, 4])
+    _step(private)
+    _step(private)
+    assert shared.stats().num_free_blocks - private.stats().num_free_blocks == 4
+
+
+def test_fork_child_of_a_finished_source_prefills_alone():
+    scheduler = _scheduler()
+    _add(scheduler, "s", [1, 2, 3])
+    child = _add(scheduler, "c", [1, 2, 3], fork_source="s")
+    _step(scheduler)
+    scheduler.finish_request("s", RequestStatus.FINISHED_ABORTED)
+    assert _rows(_step(scheduler)) == {"c": (0, 3, True)}
+    assert child.fork_source is None
+
+
+def test_static_policy_admits_only_when_idle_and_reserves():
+    scheduler = _scheduler(num_blocks=20, max_num_seqs=4, policy="static", max_model_len=40)
+    for name in "ab":
+        _add(scheduler, name, [1, 2, 3])
+    _step(scheduler)
+    assert scheduler.stats().num_free_blocks == 19 - 2 * 5  # ceil(40 / 8) blocks each
+    _add(scheduler, "c", [1, 2])
+    assert list(_rows(_step(scheduler))) == ["a", "b"]
+    scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    assert list(_rows(_step(scheduler))) == ["b"]
+    scheduler.finish_request("b", RequestStatus.FINISHED_STOPPED)
+    assert list(_rows(_step(scheduler))) == ["c"]
+
+
+def test_static_policy_ignores_fork_sources():
+    scheduler = _scheduler(policy="static")
+    _add(scheduler, "s", [1, 2, 3])
+    _add(scheduler, "c", [1, 2, 3], fork_source="s")
+    assert _rows(_step(scheduler)) == {"s": (0, 3, True), "c": (0, 3, True)}
+
+
+def test_prefix_hits_are_recorded():
+    scheduler = _scheduler()
+    _add(scheduler, "a", list(range(20)))
+    _step(scheduler)
+    b = _add(scheduler, "b", list(range(20)))
+    assert _rows(_step(scheduler))["b"] == (16, 4, True)
+    assert b.num_cached_tokens == 16
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (40, 16)
+
+
+def test_finish_request_frees_blocks_in_any_state():
+    scheduler = _scheduler(num_blocks=5, max_model_len=32)
+    _add(scheduler, "a", list(range(24)))
+    _add(scheduler, "w", list(range(16)))
+    _step(scheduler)
+    for request_id in ("a", "w", "a", "unknown"):
+        scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    assert scheduler.stats().num_free_blocks == 4
+    assert not scheduler.has_unfinished_requests()
+    with pytest.raises(KeyError):
+        scheduler.get_request("a")
+
+
+def test_update_skips_requests_finished_in_between():
+    scheduler = _scheduler()
+    a = _add(scheduler, "a", [1, 2])
+    b = _add(scheduler, "b", [3, 4])
+    output = scheduler.schedule()
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(output, {"b": 5})
+    assert a.output_token_ids == [] and b.output_token_ids == [5]
+
+
+def test_stats_report_live_tokens_and_slots():
+    scheduler = _scheduler(num_blocks=11)
+    _add(scheduler, "a", list(range(12)))
+    output = scheduler.schedule()
+    stats = scheduler.stats()
+    assert stats.num_live_tokens == 12 and stats.num_allocated_slots == 2 * BS
+    assert stats.kv_cache_usage_perc == pytest.approx(0.2)
+    assert (stats.num_running, stats.num_waiting, stats.num_total_blocks) == (1, 0, 10)
+    scheduler.update_from_output(output, {"a": 1})
+    assert scheduler.stats().num_live_tokens == 12
+
+
+def test_add_request_rejects_bad_requests():
+    scheduler = _scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        _add(scheduler, "long", list(range(17)))
+    with pytest.raises(ValueError, match="empty"):
+        _add(scheduler, "empty", [])
+    _add(scheduler, "a", [1])
+    with pytest.raises(ValueError, match="'a'"):
+        _add(scheduler, "a", [1])
+
+
+def test_cache_too_small_for_one_sequence_is_rejected():
+    with pytest.raises(ValueError, match="max_model_len"):
+        _scheduler(num_blocks=4, max_model_len=32)
+
+
+# Property tests: seeded random traces driven like an engine, with a simulated KV cache.
+
+
+class _Trace:
+    """Runs one random workload through a Scheduler and checks every step's invariants.
+
+    The simulated cache stores, per slot, a fingerprint of the whole token prefix whose
+    K/V the slot would hold, so a wrong block table, a missed copy-on-write or a wrong
+    prefix hit shows up as a mismatch when a request's positions are read back.
+    """
+
+    def __init__(self, seed: int, policy: str, prefix_caching: bool) -> None:
+        self.rng = rng = random.Random(seed)
+        self.block_size = rng.choice([8, 16])
+        self.max_model_len = rng.choice([24, 40, 64, 96])
+        blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        self.config = SchedulerConfig(
+            max_num_seqs=rng.choice([1, 2, 3, 8]),
+            max_num_batched_tokens=rng.choice([3, 8, 16, 64]),
+            max_model_len=self.max_model_len,
+            scheduling_policy=policy,
+        )
+        cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=prefix_caching)
+        num_blocks = blocks_per_seq + 1 + rng.randint(0, 2 * blocks_per_seq)
+        self.scheduler = Scheduler(self.config, cache_config, num_blocks)
+        self.kv = self.scheduler.kv_cache_manager
+        self.vocab = rng.choice([2, 4, 1000])  # few symbols: many equal blocks
+        self.prefixes = [self._tokens(rng.randint(1, self.max_model_len)) for _ in range(3)]
+        self.tokens: dict[str, list[int]] = {}  # the engine's view: prompt + sampled
+        self.fingerprints: dict[str, list[int]] = {}
+        self.max_outputs: dict[str, int] = {}
+        self.unfinished: dict[str, Request] = {}
+        self.cache: dict[int, int] = {}  # slot -> fingerprint of the prefix it holds
+        self.num_preempted = 0
+
+    def run(self, num_groups: int) -> None:
+        num_added, step, last_arrival = 0, 0, 0
+        while num_added < num_groups or self.unfinished:
+            if num_added < num_groups and self.rng.random() < 0.3:
+                self._add_group(f"r{num_added}")
+                num_added += 1
+                last_arrival = step
+            self._step(aborts=num_added < num_groups)
+            step += 1
+            # No starvation: the oldest running request is never preempted and computes a
+            # token every step, so each request is the oldest for at most max_model_len steps.
+            if num_added == num_groups:
+                assert step - last_arrival <= len(self.tokens) * self.max_model_len
+        pool = self.kv.block_pool
+        assert pool.num_free_blocks == pool.num_usable_blocks
+        assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
+        assert not self.scheduler.has_unfinished_requests()
+        if self.config.scheduling_policy == "static":
+            assert self.scheduler.stats().num_preemptions == 0
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def _add_group(self, request_id: str) -> None:
+        """One user request: a source and, for n > 1, children that may fork its blocks."""
+        rng = self.rng
+        length = rng.randint(1, self.max_model_len)
+        prompt = (rng.choice(self.prefixes) + self._tokens(length))[:length]
+        n = rng.choice([1, 1, 1, 2, 3])
+        for i in range(n):
+            child_id = request_id if i == 0 else f"{request_id}.{i}"
+            fork_source = request_id if i > 0 else None
+            request = Request(child_id, prompt, SamplingParams(), fork_source=fork_source)
+            self.scheduler.add_request(request)
+            self.unfinished[child_id] = request
+            self.tokens[child_id] = list(prompt)
+            self.fingerprints[child_id] = []
+            self.max_outputs[child_id] = rng.randint(1, self.max_model_len)
+
+    def _step(self, aborts: bool) -> None:
+        running_before = {r.request_id for r in self.scheduler.running}
+        output = self.scheduler.schedule()
+        self._check_output(output, running_before)
+        self._check_blocks()
+        self._simulate_forward(output)
+        if aborts and output.scheduled and self.rng.random() < 0.05:
+            self._finish(
+                self.rng.choice(output.scheduled).request_id, RequestStatus.FINISHED_ABORTED
+            )
+        sampled = {r.request_id: self.rng.randrange(self.vocab) for r in output.scheduled}
+        self.scheduler.update_from_output(output, sampled)
+        for row in output.scheduled:
+            if row.samples and row.request_id in self.unfinished:
+                self._append(row.request_id, sampled[row.request_id])
+        if aborts and self.unfinished and self.rng.random() < 0.03:
+            self._finish(self.rng.choice(list(self.unfinished)), RequestStatus.FINISHED_ABORTED)
+        for request_id, request in self.unfinished.items():
+            assert request.all_token_ids == self.tokens[request_id]
+
+    def _append(self, request_id: str, token: int) -> None:
+        self.tokens[request_id].append(token)
+        request = self.unfinished[request_id]
+        if request.num_tokens >= self.max_model_len:
+            self._finish(request_id, RequestStatus.FINISHED_LENGTH)
+        elif len(request.output_token_ids) >= self.max_outputs[request_id]:
+            self._finish(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request_id: str, status: RequestStatus) -> None:
+        request = self.unfinished.pop(request_id)
+        self.scheduler.finish_request(request_id, status)
+        assert request.status is status
+        assert self.kv.get_block_table(request_id) == []
+
+    def _check_output(self, output: SchedulerOutput, running_before: set[str]) -> None:
+        scheduler, config = self.scheduler, self.config
+        running = [r.request_id for r in scheduler.running]
+        assert len(running) <= config.max_num_seqs
+        lengths = [len(row.token_ids) for row in output.scheduled]
+        assert output.num_scheduled_tokens == sum(lengths) <= config.max_num_batched_tokens
+        order = [running.index(row.request_id) for row in output.scheduled]
+        assert order == sorted(set(order))  # running order: the admitted come last
+        for row in output.scheduled:
+            request = scheduler.get_request(row.request_id)
+            start, end = row.start_position, row.start_position + len(row.token_ids)
+            assert start == request.num_computed_tokens and start < end <= self.max_model_len
+            assert row.token_ids == self.tokens[row.request_id][start:end]
+            assert row.samples == (end == request.num_tokens)
+            assert row.block_table == self.kv.get_block_table(row.request_id)
+            assert len(row.block_table) * self.block_size >= end
+        for request_id in output.preempted_request_ids:
+            request = scheduler.get_request(request_id)
+            assert request.status is RequestStatus.PREEMPTED and request.num_computed_tokens == 0
+            assert request in scheduler.waiting and request_id not in running
+        self.num_preempted += len(output.preempted_request_ids)
+        assert scheduler.stats().num_preemptions == self.num_preempted
+        if config.scheduling_policy == "static":
+            admitted = {row.request_id for row in output.scheduled} - running_before
+            assert not (admitted and running_before)
+            blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+            assert all(len(self.kv.get_block_table(r)) >= blocks_per_seq for r in running)
+
+    def _check_blocks(self) -> None:
+        """Every usable block is free (ref 0, queued once) or held once per table holding it."""
+        pool = self.kv.block_pool
+        holders = Counter(
+            b for r in self.scheduler.running for b in self.kv.get_block_table(r.request_id)
+        )
+        assert 0 not in holders
+        free = pool.free_block_ids()
+        assert len(free) == len(set(free)) and 0 not in free
+        for block in range(1, pool.num_blocks):
+            assert pool.ref_count(block) == holders[block]
+            assert (block in set(free)) == (holders[block] == 0)
+        for request in self.scheduler.waiting:
+            assert self.kv.get_block_table(request.request_id) == []
+
+    def _simulate_forward(self, output: SchedulerOutput) -> None:
+        bs, pool = self.block_size, self.kv.block_pool
+        copied = [
+            [self.cache.get(src * bs + i) for i in range(bs)] for src, _ in output.blocks_to_copy
+        ]
+        for (_, dst), values in zip(output.blocks_to_copy, copied, strict=True):
+            for i, value in enumerate(values):
+                self.cache[dst * bs + i] = value
+        for row in output.scheduled:
+            start, end = row.start_position, row.start_position + len(row.token_ids)
+            prints = self._fingerprints(row.request_id, end)
+            for pos in range(start, end):
+                block = row.block_table[pos // bs]
+                # Copy-on-write: a shared block is written only when a request admitted
+                # later in this step hit it, i.e. it is full and cached after this step.
+                if pool.ref_count(block) > 1:
+                    assert pos // bs < end // bs and pool.cached_block(block) is not None
+                self.cache[block * bs + pos % bs] = prints[pos]
+        in_flight = {row.request_id: len(row.token_ids) for row in output.scheduled}
+        for request in self.scheduler.running:
+            computed = request.num_computed_tokens + in_flight.get(request.request_id, 0)
+            prints = self._fingerprints(request.request_id, computed)
+            table = self.kv.get_block_table(request.request_id)
+            for pos in range(computed):
+                assert self.cache.get(table[pos // bs] * bs + pos % bs) == prints[pos]
+
+    def _fingerprints(self, request_id: str, length: int) -> list[int]:
+        prints, tokens = self.fingerprints[request_id], self.tokens[request_id]
+        while len(prints) < length:
+            prints.append(hash((prints[-1] if prints else -1, tokens[len(prints)])))
+        return prints
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("caching", ["off", "on", "colliding"])
+def test_random_traces_keep_every_invariant(policy, caching, monkeypatch):
+    if caching == "colliding":
+        # A weak hash: most blocks collide, so only the content checks keep hits correct.
+        monkeypatch.setattr(
+            kv_cache_manager, "hash_block_tokens", lambda parent, tokens: (parent + sum(tokens)) % 3
+        )
+    for seed in range(100):
+        _Trace(seed, policy, prefix_caching=caching != "off").run(num_groups=12)

@@ -1,0 +1,173 @@
+"""LLM.generate end to end against Transformers' generate (float32, CPU, greedy).
+
+Covers continuous batching with chunked prefill, preemption by recompute, prefix
+caching, parallel sampling with copy-on-write, logprobs and the compile count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jvllm import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
+NEW_TOKENS = 32
+
+
+def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(6, 512, size=n)] for n in lengths]
+
+
+def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    new = out[0, len(ids) :].tolist()
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_models, tokenizer_dir):
+    """arch -> greedy continuations of `prompts()` by Transformers."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    return {
+        arch: [hf_greedy(model, p, NEW_TOKENS, eos) for p in prompts()]
+        for arch, model in hf_models.items()
+    }
+
+
+def make_llm(path, **kwargs) -> LLM:
+    kwargs = {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 128, **kwargs}
+    return LLM(str(path), **kwargs)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+
+def token_prompts(ps: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in ps]
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {},
+        {"max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 64},
+        # 40 blocks of 16 tokens cannot hold 12 sequences of up to 332 tokens.
+        {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64},
+    ],
+    ids=["default", "chunk16", "chunk64", "preempt"],
+)
+def test_greedy_generate_matches_hf(arch, checkpoints, hf_reference, engine_kwargs):
+    llm = make_llm(checkpoints[arch], **engine_kwargs)
+    outs = llm.generate(token_prompts(prompts()), GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == hf_reference[arch]
+    metrics = llm.get_metrics()
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert metrics["num_preemptions"] > 0
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"]  # nothing leaked
+
+
+def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoints):
+    rng = np.random.default_rng(5)
+    prefix = [int(t) for t in rng.integers(6, 512, size=200)]
+    batch = [prefix + [int(t) for t in rng.integers(6, 512, size=5 + i)] for i in range(8)]
+    results, metrics = {}, {}
+    for caching in (True, False):
+        llm = make_llm(checkpoints["qwen3"], enable_prefix_caching=caching)
+        # The first prompt runs alone, so the rest find its prefix cached.
+        first = llm.generate(token_prompts(batch[:1]), GREEDY, use_tqdm=False)
+        rest = llm.generate(token_prompts(batch[1:]), GREEDY, use_tqdm=False)
+        results[caching] = [o.outputs[0].token_ids for o in first + rest]
+        metrics[caching] = llm.get_metrics()
+        cached = [o.num_cached_tokens for o in rest]
+        assert all(c >= 192 for c in cached) if caching else not any(cached)
+    assert results[True] == results[False]
+    assert metrics[True]["prefix_cache_hits"] > 0
+    assert metrics[False]["prefix_cache_hits"] == 0
+
+
+def test_parallel_sampling_reproducible_and_shares_blocks(checkpoints):
+    llm = make_llm(checkpoints["llama"])
+    prompt = {"prompt_token_ids": prompts(1, [100])[0]}
+    params = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(prompt, params, use_tqdm=False)[0]
+    texts = [c.token_ids for c in alone.outputs]
+    assert len(texts) == 4 and len({tuple(t) for t in texts}) == 4
+    others = token_prompts(prompts(2, [40, 3, 90]))
+    mixed = llm.generate(others[:2] + [prompt] + others[2:], [GREEDY] * 2 + [params, GREEDY])
+    assert [c.token_ids for c in mixed[2].outputs] == texts
+
+    # Block sharing: run only the prefill and a few steps, then count blocks in use.
+    engine = llm.engine
+    engine.add_request("share", prompt, params.clone(max_tokens=24))
+    for _ in range(4):
+        engine.step()
+    used = engine.get_metrics()["num_total_blocks"] - engine.get_metrics()["num_free_blocks"]
+    unshared = 4 * -(-(100 + 3) // 16)
+    assert used < unshared
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_logprobs_match_hf_log_softmax(checkpoints, hf_models):
+    llm = make_llm(checkpoints["qwen2"], max_num_batched_tokens=16)
+    ids = prompts(3, [40])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=5, prompt_logprobs=3)
+    # The same prompt twice: the second run must not skip its cached prefix.
+    llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    full = ids + completion.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_models["qwen2"](torch.tensor([full])).logits[0], -1).numpy()
+    for i, (tok, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        row = ref[len(ids) - 1 + i]
+        assert list(entry)[0] == tok and entry[tok].rank == 1
+        assert len(entry) == 5
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t]) < 1e-4
+    expected = sum(ref[len(ids) - 1 + i][t] for i, t in enumerate(completion.token_ids))
+    assert abs(completion.cumulative_logprob - expected) < 1e-3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[ids[p]].logprob - ref[p - 1][ids[p]]) < 1e-4
+        assert entry[ids[p]].rank == int((ref[p - 1] > ref[p - 1][ids[p]]).sum()) + 1
+        assert len(entry) in (3, 4)
+
+
+def test_no_compilations_after_warm_up(checkpoints):
+    llm = make_llm(checkpoints["mistral"], max_num_seqs=8, max_num_batched_tokens=64)
+    before = llm.get_metrics()["num_compilations"]
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 200, size=200)
+    params = [
+        SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            top_k=int(rng.choice([-1, 5])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(0, 1000)) if rng.random() < 0.5 else None,
+            max_tokens=int(rng.integers(1, 12)),
+            n=int(rng.choice([1, 1, 2])),
+            logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None,
+        )
+        for _ in lengths
+    ]
+    outs = llm.generate(token_prompts(prompts(12, list(lengths))), params, use_tqdm=False)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert llm.get_metrics()["num_compilations"] == before

@@ -1,0 +1,216 @@
+"""LLM's user-facing behaviour: input forms, validation, stop handling, chat, abort."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jvllm import LLM, SamplingParams
+from jvllm.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints) -> LLM:
+    return LLM(
+        str(checkpoints["llama"]), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64
+    )
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_prompt_forms_and_order(llm):
+    tok = llm.get_tokenizer()
+    text = "hello world how are you"
+    ids = tok.encode(text)
+    outs = llm.generate(
+        [text, {"prompt": text}, {"prompt_token_ids": ids}], greedy(max_tokens=8), use_tqdm=False
+    )
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert outs[0].prompt_token_ids == ids == outs[2].prompt_token_ids
+    assert (
+        outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    )
+    single = llm.generate(text, greedy(max_tokens=8), use_tqdm=False)
+    assert len(single) == 1 and single[0].prompt == text
+
+
+def test_one_params_per_prompt(llm):
+    outs = llm.generate(
+        ["a b", "c d"], [greedy(max_tokens=3), greedy(max_tokens=5)], use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [greedy(), greedy()])
+
+
+def test_text_matches_token_ids(llm):
+    out = llm.generate("the quick brown fox", greedy(max_tokens=20), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_cut_from_text(llm):
+    base = llm.generate("tell me a story", greedy(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[5:8]
+    assert stop
+    out = llm.generate(
+        "tell me a story", greedy(max_tokens=20, stop=[stop], ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(
+        "tell me a story",
+        greedy(max_tokens=20, stop=[stop], ignore_eos=True, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = (
+        llm.generate("numbers 1 2 3", greedy(max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    stop_tok = base[3]
+    first = base.index(stop_tok)
+    out = llm.generate(
+        "numbers 1 2 3",
+        greedy(max_tokens=12, stop_token_ids=[stop_tok], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == base[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens: a stop token before it does not end the request.
+    later = llm.generate(
+        "numbers 1 2 3",
+        greedy(max_tokens=12, stop_token_ids=[stop_tok], min_tokens=first + 2, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(later.token_ids) >= first + 2
+
+
+def test_max_model_len_stops_with_length(llm):
+    tok_ids = list(range(10, 250))  # 240 tokens, max_model_len 256
+    out = llm.generate(
+        {"prompt_token_ids": tok_ids}, greedy(max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 16
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=4), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert out.prompt == expected
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    two = llm.chat(
+        [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+        greedy(max_tokens=2),
+        use_tqdm=False,
+    )
+    assert len(two) == 2
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ("", "prompt is empty"),
+        ({"prompt_token_ids": []}, "prompt is empty"),
+        ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+        ({"prompt_token_ids": list(range(5, 261))}, "max_model_len is 256"),
+        ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
+    ],
+)
+def test_bad_prompts_rejected_without_harm(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], greedy(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    assert llm.generate("still works", greedy(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_bad_stop_token_id(llm):
+    with pytest.raises(ValueError, match="stop_token_ids .* outside the vocabulary"):
+        llm.generate("x", greedy(stop_token_ids=[10**6]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 0}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request(
+        "long", {"prompt_token_ids": list(range(10, 110))}, greedy(max_tokens=100, ignore_eos=True)
+    )
+    engine.add_request("short", "a b c", greedy(max_tokens=3))
+    engine.step()
+    engine.abort_request("long")
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs["long"].outputs[0].finish_reason == "abort" and outs["long"].finished
+    assert outs["short"].outputs[0].finish_reason == "length"
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_unknown_llm_argument(checkpoints):
+    with pytest.raises(TypeError, match="unknown arguments: \\['bogus'\\]"):
+        LLM(str(checkpoints["llama"]), bogus=1)
+
+
+def test_model_len_too_big_for_cache_names_knob(checkpoints):
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        LLM(str(checkpoints["llama"]), max_model_len=512, num_gpu_blocks_override=8)
+
+
+class _ByteTokenizer:
+    """Decodes ids as raw bytes, so one character can span two tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_holds_back_partial_utf8():
+    detok = IncrementalDetokenizer(_ByteTokenizer(), [65], True, ["é!"], False)
+    stops = [detok.append(b) for b in "aé!".encode()]
+    assert stops == [None, None, None, "é!"] and detok.output_text == "a"
+    detok = IncrementalDetokenizer(_ByteTokenizer(), [65], True, [], False)
+    for b in "añb".encode():
+        detok.append(b)
+        assert "\ufffd" not in detok.output_text
+    assert detok.output_text == "añb"
