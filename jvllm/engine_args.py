@@ -21,6 +21,9 @@ from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
+from jvllm.parallel.distributed import distributed_config
+from jvllm.parallel.distributed import initialize as initialize_distributed
+from jvllm.parallel.mesh import make_mesh
 from jvllm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("jvllm")
@@ -46,6 +49,10 @@ class EngineArgs:
     scheduling_policy: str = "continuous"
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    # Multi-host (offline API): every process runs the same program; see parallel.distributed.
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -55,13 +62,15 @@ class EngineArgs:
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
         )
+        dist = distributed_config(self.coordinator_address, self.num_processes, self.process_id)
+        if dist is not None:
+            initialize_distributed(dist)
         parallel = ParallelConfig(self.tensor_parallel_size)
-        if parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: only 1 is supported"
-            )
-        _resolve_backend(self.attention_backend)
-        loaded = load_model(self.model, self.dtype)
+        mesh = (
+            make_mesh(parallel.tensor_parallel_size) if parallel.tensor_parallel_size > 1 else None
+        )
+        backend = _resolve_backend(self.attention_backend)
+        loaded = load_model(self.model, self.dtype, backend, mesh)
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
@@ -75,7 +84,7 @@ class EngineArgs:
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
         runner = ModelRunner(
-            loaded, num_blocks, self.block_size, max_model_len, self.max_num_seqs, batched
+            loaded, num_blocks, self.block_size, max_model_len, self.max_num_seqs, batched, mesh
         )
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
@@ -96,8 +105,9 @@ class EngineArgs:
             * spec.num_kv_heads
             * spec.head_dim
             * loaded.dtype.itemsize
+            // self.tensor_parallel_size  # each device holds its KV heads only
         )
-        stats = jax.devices()[0].memory_stats()
+        stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:
             # Free device memory after the weights, less a margin for activations.
             activations = 4 * scheduler.max_num_batched_tokens * spec.vocab_size * 4
@@ -116,11 +126,25 @@ class EngineArgs:
 
 
 def _resolve_backend(backend: str) -> str:
-    if backend == "triton":
+    """'auto' is the Triton kernel on a CUDA GPU (when jax-triton is installed), else the
+    jax.numpy reference; 'triton' anywhere but a CUDA GPU is a user error."""
+    import importlib.util
+
+    platform = jax.devices()[0].platform
+    on_cuda = platform in ("gpu", "cuda")
+    if backend == "auto":
+        if not on_cuda:
+            return "reference"
+        if importlib.util.find_spec("jax_triton") is None:
+            logger.warning("jax-triton is not installed: attention_backend='auto' uses 'reference'")
+            return "reference"
+        return "triton"
+    if backend == "triton" and not on_cuda:
         raise ValueError(
-            "attention_backend='triton' is not available in this build; use 'reference' or 'auto'"
+            f"attention_backend='triton' needs an NVIDIA GPU, but JAX runs on {platform!r}; "
+            "use 'reference' or 'auto'"
         )
-    return "reference"
+    return backend
 
 
 def _resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:

@@ -9,15 +9,19 @@ and weights keep its `[out, in]` layout, so loading never transposes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
 from jvllm.models.spec import ModelSpec
+from jvllm.parallel.mesh import CACHE, HEADS
 
 _init = nn.initializers.normal(0.02)
 
@@ -55,6 +59,7 @@ class Attention(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     backend: str
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(
@@ -76,9 +81,22 @@ class Attention(nn.Module):
             k = RMSNorm(s.rms_norm_eps, self.dtype, name="k_norm")(k)
         q = apply_rotary(q, *cos_sin)
         k = apply_rotary(k, *cos_sin)
-        out, cache = paged_attention(
-            self.backend, q, k, v, cache, meta, s.head_dim**-0.5, s.sliding_window
+        attend = functools.partial(
+            paged_attention,
+            self.backend,
+            scale=s.head_dim**-0.5,
+            sliding_window=s.sliding_window,
         )
+        if self.mesh is not None:
+            # Each device attends with its own heads and its slice of the cache.
+            attend = jax.shard_map(
+                attend,
+                mesh=self.mesh,
+                in_specs=(HEADS, HEADS, HEADS, (CACHE, CACHE), P()),
+                out_specs=(HEADS, (CACHE, CACHE)),
+                check_vma=False,
+            )
+        out, cache = attend(q, k, v, cache, meta)
         out = Linear(s.hidden_size, s.o_bias, self.dtype, name="o_proj")(out.reshape(t, -1))
         return out, cache
 
@@ -101,6 +119,7 @@ class DecoderLayer(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     backend: str
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(
@@ -111,7 +130,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         eps = self.spec.rms_norm_eps
-        h, cache = Attention(self.spec, self.dtype, self.backend, name="self_attn")(
+        h, cache = Attention(self.spec, self.dtype, self.backend, self.mesh, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), cos_sin, cache, meta
         )
         x = x + h
@@ -127,6 +146,7 @@ class DecoderModel(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     backend: str
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
         s = self.spec
@@ -162,9 +182,10 @@ class CausalLM(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     backend: str = "reference"
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
-        self.model = DecoderModel(self.spec, self.dtype, self.backend)
+        self.model = DecoderModel(self.spec, self.dtype, self.backend, self.mesh)
         if not self.spec.tie_word_embeddings:
             self.lm_head = Linear(self.spec.vocab_size, False, self.dtype)
 
@@ -181,5 +202,10 @@ class CausalLM(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
         if self.spec.tie_word_embeddings:
             w = self.model.embedding()
-            return jnp.einsum("rh,vh->rv", hidden, w, preferred_element_type=jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = jnp.einsum("rh,vh->rv", hidden, w, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        if self.mesh is not None:
+            # Gather vocab-parallel logits once here, not inside every sampler op.
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
+        return logits

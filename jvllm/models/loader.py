@@ -8,7 +8,6 @@ memory map straight to the target dtype and onto the device, one at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,13 +15,16 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 
 from jvllm.layers.attention import AttentionMetadata
+from jvllm.models import orbax_checkpoint
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
+from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
+from jvllm.parallel.mesh import check_divisible, sharded_spec
 
 _DTYPE_NAMES = {
     "float32": jnp.float32,
@@ -33,8 +35,6 @@ _DTYPE_NAMES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 Params = dict[str, Any]
-# Places one host array on device(s); receives the parameter's HF name.
-PlaceFn = Callable[[str, np.ndarray], jax.Array]
 
 
 @dataclass(frozen=True)
@@ -97,36 +97,65 @@ def hf_name(path: tuple[str, ...]) -> str:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", place: PlaceFn | None = None
+    model_dir: str | Path,
+    dtype: str = "auto",
+    attention_backend: str = "reference",
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
+    """Loads and places every parameter; on a mesh each device gets only its slices.
+
+    `model_dir` is a Hugging Face safetensors checkpoint or a `jvllm convert` output.
+    """
     model_dir = Path(model_dir)
     hf_config = read_config(model_dir)
     spec = spec_from_hf_config(hf_config)
+    converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
+    if dtype == "auto" and converted:
+        dtype = orbax_checkpoint.saved_dtype(model_dir)
     target = resolve_dtype(dtype, spec)
-    module = model_class(spec.architecture)(spec=spec, dtype=target)
-    expected = abstract_params(module, spec)
+    cls = model_class(spec.architecture)  # unsupported architectures fail before any I/O
+    tp = 1 if mesh is None else mesh.devices.size
+    if mesh is not None:
+        check_divisible(spec, tp)
+    built_spec = sharded_spec(spec, tp)
+    module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
+    abstract = dict(_flatten(abstract_params(module, built_spec)))
+    if converted:
+        flat = orbax_checkpoint.restore(model_dir, abstract, spec, mesh)
+    else:
+        flat = _read_safetensors(model_dir, abstract, spec, mesh)
+    return LoadedModel(built_spec, module, _unflatten(flat), target, hf_config)
+
+
+def _read_safetensors(
+    model_dir: Path, abstract: dict[tuple[str, ...], Any], spec: ModelSpec, mesh: Mesh | None
+) -> dict[tuple[str, ...], jax.Array]:
     index = SafetensorsIndex(model_dir)
-    place = place or (lambda _name, arr: jax.device_put(arr))
+    placer = ShardedPlacer(mesh, spec) if mesh is not None else None
     flat = {}
-    for path, shaped in _flatten(expected):
+    for path, shaped in abstract.items():
         name = hf_name(path)
         if name not in index.entries:
             raise ValueError(
                 f"{model_dir}: checkpoint has no tensor {name!r} (shape {shaped.shape})"
             )
         array = index.array(name)
-        if array.shape != shaped.shape:
+        want = placer.expected_shape(name, shaped.shape) if placer else shaped.shape
+        if array.shape != want:
             raise ValueError(
                 f"{index.entries[name].file}: tensor {name!r} has shape {array.shape}, "
-                f"expected {shaped.shape} from config.json"
+                f"expected {want} from config.json"
             )
-        flat[path] = place(name, _convert(array, shaped.dtype))
+        if placer is None:
+            flat[path] = jax.device_put(_convert(array, shaped.dtype))
+        else:
+            flat[path] = placer(name, array, shaped.dtype)
     _check_unused(model_dir, index.names() - {hf_name(p) for p in flat}, spec)
-    return LoadedModel(spec, module, _unflatten(flat), target, hf_config)
+    return flat
 
 
 def _convert(array: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
-    target = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+    target = to_numpy_dtype(dtype)
     return array if array.dtype == target else array.astype(target)
 
 

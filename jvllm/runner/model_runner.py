@@ -22,11 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
 from jvllm.models.loader import LoadedModel
+from jvllm.parallel.mesh import cache_sharding, replicated
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -61,8 +63,10 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        mesh: Mesh | None = None,
     ) -> None:
         self.model = loaded
+        self.mesh = mesh
         self.spec = loaded.spec
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -112,11 +116,20 @@ class ModelRunner:
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         s = self.spec
         shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        sharding = cache_sharding(self.mesh)  # KV heads split across the mesh
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
-        return [
-            (jnp.zeros(shape, self.model.dtype), jnp.zeros(shape, self.model.dtype))
-            for _ in range(s.num_layers)
-        ]
+        zeros = lambda: jnp.zeros(shape, self.model.dtype, device=sharding)
+        return [(zeros(), zeros()) for _ in range(s.num_layers)]
+
+    def _put(self, tree: Any) -> Any:
+        """Host arrays to the device; on a mesh, replicated to every device."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        sharding = replicated(self.mesh)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        # Multi-host: every process built the same host arrays; each places its copy.
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
     def batch_shape(self, num_tokens: int) -> BatchShape:
         t = pick_bucket(num_tokens, self.token_buckets)
@@ -128,7 +141,7 @@ class ModelRunner:
         shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
         packed = pack_rows(rows, shape, self.block_size)
         logits, hidden, self.caches = self._forward_fn(
-            self.model.params, self.caches, jnp.asarray(packed), shape=shape
+            self.model.params, self.caches, self._put(packed), shape=shape
         )
         return logits, hidden, shape
 
@@ -137,7 +150,7 @@ class ModelRunner:
         for lo in range(0, len(pairs), self.max_num_seqs):
             chunk = list(pairs[lo : lo + self.max_num_seqs])
             chunk += [(0, 0)] * (self.max_num_seqs - len(chunk))  # null-block no-ops
-            src, dst = (jnp.asarray(np.array(c, np.int32)) for c in zip(*chunk, strict=True))
+            src, dst = self._put(np.array(chunk, np.int32).T)
             self.caches = self._copy_fn(self.caches, src, dst)
 
     def execute(
@@ -152,7 +165,7 @@ class ModelRunner:
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
         md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width)
-        out = self._sample_fn(logits, md)
+        out = self._sample_fn(logits, self._put(md))
         all_logprobs = None
         if want_all_logprobs:
             every = np.asarray(self._all_logprobs_fn(self.model.params, hidden))
@@ -186,6 +199,6 @@ class ModelRunner:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, shape = self._run_forward([], self.batch_shape(t))
             md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
-            jax.block_until_ready(self._sample_fn(logits, md))
+            jax.block_until_ready(self._sample_fn(logits, self._put(md)))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden))
         self.copy_blocks([(0, 0)])

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the device mesh, per-parameter sharding rules, sharded loading."""

@@ -1,0 +1,58 @@
+"""Places checkpoint tensors onto a tensor-parallel mesh, one device slice at a time.
+
+Each device's slice is cut from the memory-mapped tensor, converted to the target
+dtype and transferred on its own, so no device (and no host buffer in the target
+dtype) ever holds a whole sharded tensor. KV projections of a model with fewer KV
+heads than devices are repeated head by head first (see `mesh.kv_replication`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jvllm.models.spec import ModelSpec
+from jvllm.parallel.mesh import kv_replication, partition_spec
+
+
+def to_numpy_dtype(dtype: jnp.dtype) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+
+def repeat_kv_heads(array: np.ndarray, repeats: int, head_dim: int) -> np.ndarray:
+    """[Hkv * D, ...] -> [Hkv * repeats * D, ...], each head repeated in place."""
+    heads = array.reshape(-1, head_dim, *array.shape[1:])
+    return np.repeat(heads, repeats, axis=0).reshape(-1, *array.shape[1:])
+
+
+class ShardedPlacer:
+    """`place(name, array, dtype)` for `load_model` on a mesh."""
+
+    def __init__(self, mesh: Mesh, spec: ModelSpec) -> None:
+        self.mesh = mesh
+        self.spec = spec  # the checkpoint's own spec, before KV replication
+        self.tp = mesh.devices.size
+
+    def expected_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape a model parameter of `shape` comes from."""
+        repeats = kv_replication(self.spec, self.tp)
+        if repeats > 1 and _is_kv_projection(name):
+            return (shape[0] // repeats, *shape[1:])
+        return shape
+
+    def __call__(self, name: str, array: np.ndarray, dtype: jnp.dtype) -> jax.Array:
+        repeats = kv_replication(self.spec, self.tp)
+        if repeats > 1 and _is_kv_projection(name):
+            array = repeat_kv_heads(array, repeats, self.spec.head_dim)
+        sharding = NamedSharding(self.mesh, partition_spec(name, array.ndim, self.spec, self.tp))
+        target = to_numpy_dtype(dtype)
+        return jax.make_array_from_callback(
+            array.shape, sharding, lambda index: np.ascontiguousarray(array[index], dtype=target)
+        )
+
+
+def _is_kv_projection(name: str) -> bool:
+    return ".k_proj." in name or ".v_proj." in name

@@ -1,0 +1,92 @@
+"""The tensor-parallel device mesh and the sharding rules of every parameter.
+
+Owns which axis of which tensor is split across the `tp` mesh axis (Megatron
+style): q/k/v and gate/up are column-parallel (split on output features, i.e.
+heads), o_proj and down_proj row-parallel (split on input features), the KV
+cache on its KV-head axis. Embedding and lm_head are vocab-parallel when the
+vocabulary divides evenly, else replicated: vocab-parallel saves V*H/N memory per
+device at the price of one all-gather of the logits. When a model has fewer KV
+heads than devices, each KV head is replicated `tp / num_kv_heads` times (as vLLM
+does), so every device still holds whole heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jvllm.models.spec import ModelSpec
+
+AXIS = "tp"
+
+# Activations and caches as seen by attention: heads on the tp axis.
+HEADS = P(None, AXIS, None)  # [T, H, D]
+CACHE = P(None, None, AXIS, None)  # [N, BS, Hkv, D]
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, "
+            f"but only {len(devices)} are visible ({devices[0].platform})"
+        )
+    # Auto axes: XLA's sharding propagation places the collectives (the all-reduce
+    # after row-parallel layers, the gather from a vocab-parallel embedding).
+    chosen = np.array(devices[:tensor_parallel_size])
+    return Mesh(chosen, (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def check_divisible(spec: ModelSpec, tp: int) -> None:
+    """Rejects a model whose heads or MLP cannot be split `tp` ways."""
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"num_attention_heads={spec.num_heads}")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate_size={spec.intermediate_size}")
+    kv = spec.num_kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        problems.append(f"num_key_value_heads={kv}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide {', '.join(problems)} "
+            "(KV heads may instead be fewer than and divide tensor_parallel_size)"
+        )
+
+
+def kv_replication(spec: ModelSpec, tp: int) -> int:
+    """How many times each checkpoint KV head is repeated to give every device one."""
+    return tp // spec.num_kv_heads if spec.num_kv_heads < tp else 1
+
+
+def sharded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The spec the model is built with: KV heads replicated up to `tp` when fewer."""
+    return dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_replication(spec, tp))
+
+
+def partition_spec(name: str, ndim: int, spec: ModelSpec, tp: int) -> P:
+    """The PartitionSpec of one parameter, by its Hugging Face name."""
+    if tp == 1:
+        return P()
+    leaf = name.split(".")[-2] if ndim else ""
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    if leaf in column:
+        return P(AXIS, None) if ndim == 2 else P(AXIS)
+    if leaf in ("o_proj", "down_proj"):
+        return P(None, AXIS) if ndim == 2 else P()  # a row-parallel bias is added once
+    if leaf in ("embed_tokens", "lm_head") and spec.vocab_size % tp == 0:
+        return P(AXIS, None)
+    return P()  # norms, and a vocabulary that does not divide
+
+
+def cache_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    return None if mesh is None else NamedSharding(mesh, CACHE)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

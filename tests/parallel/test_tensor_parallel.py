@@ -1,0 +1,90 @@
+"""Tensor parallelism on 8 CPU host devices: same tokens and logits as one device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+from jvllm.models.loader import load_model
+from jvllm.parallel.mesh import make_mesh
+from jvllm.runner.model_runner import ModelRunner
+from jvllm.testing import make_checkpoint
+from tests.models.test_forward import Row, assert_close, random_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory, tokenizer_dir):
+    """8 query heads over 2 KV heads, so TP=8 splits queries and replicates KV heads."""
+    path = tmp_path_factory.mktemp("wide") / "llama8"
+    return make_checkpoint("llama", path, tokenizer_dir, num_attention_heads=8, head_dim=16)
+
+
+def prompt_batch() -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [
+        {"prompt_token_ids": [int(t) for t in rng.integers(6, 500, size=n)]} for n in (3, 40, 90)
+    ]
+
+
+def generate(path, tp: int) -> list[list[int]]:
+    llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_batch(), GREEDY, use_tqdm=False)]
+
+
+def test_eight_host_devices():
+    assert len(jax.devices()) >= 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_outputs_identical(checkpoints, arch, tp):
+    assert generate(checkpoints[arch], tp) == generate(checkpoints[arch], 1)
+
+
+def test_tp8_with_replicated_kv_heads(wide_checkpoint):
+    assert generate(wide_checkpoint, 8) == generate(wide_checkpoint, 1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_match_and_shards_are_split(checkpoints, tp):
+    path = checkpoints["qwen3"]  # 4 query heads, 2 KV heads: TP=4 replicates KV heads
+    ids = random_ids(37, seed=1)
+    rows = [Row(ids, 0, [1, 2, 3])]
+    one = ModelRunner(load_model(path), 16, 16, 256, 8, 64).forward_logits(rows, True)[0]
+    mesh = make_mesh(tp)
+    loaded = load_model(path, mesh=mesh)
+    runner = ModelRunner(loaded, 16, 16, 256, 8, 64, mesh)
+    many = runner.forward_logits(rows, True)[0]
+    assert_close(many, one)
+    layer = loaded.params["model"]["layers_0"]
+    full_q = layer["self_attn"]["q_proj"]["weight"].shape
+    for w, axis in [
+        (layer["self_attn"]["q_proj"]["weight"], 0),
+        (layer["self_attn"]["k_proj"]["weight"], 0),
+        (layer["self_attn"]["o_proj"]["weight"], 1),
+        (layer["mlp"]["gate_proj"]["weight"], 0),
+        (layer["mlp"]["down_proj"]["weight"], 1),
+        (loaded.params["model"]["embed_tokens"]["embedding"], 0),
+    ]:
+        shards = w.addressable_shards
+        assert len(shards) == tp
+        assert all(s.data.shape[axis] == w.shape[axis] // tp for s in shards)
+    assert full_q[0] == 4 * 32
+    k_cache = runner.caches[0][0]
+    assert all(s.data.shape[2] == k_cache.shape[2] // tp for s in k_cache.addressable_shards)
+    assert k_cache.shape[2] == max(2, tp)
+
+
+def test_indivisible_sizes_rejected(checkpoints):
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LLM(str(checkpoints["llama"]), tensor_parallel_size=8, **ENGINE)
+
+
+def test_too_few_devices(checkpoints):
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        LLM(str(checkpoints["llama"]), tensor_parallel_size=16, **ENGINE)
