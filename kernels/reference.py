@@ -18,13 +18,17 @@ position `seq_lens[s] - q_len + i` and attends to keys at positions <= its own
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 # A finite mask value keeps fully masked (padding) rows free of NaN.
 MASK_VALUE = -1e30
-# Queries handled per gathered tile: bounds the [tile, W * block_size, Hkv, D] gather.
+# Queries of one sequence handled together: one matrix product per key chunk.
 QUERY_TILE = 16
+# Keys visited per inner-loop iteration.
+KEY_CHUNK = 128
 
 
 def write_kv(
@@ -41,18 +45,25 @@ def write_kv(
     return k_flat.reshape(n, bs, hkv, d), v_flat.reshape(n, bs, hkv, d)
 
 
-def token_metadata(
-    num_tokens: int, query_start_loc: jax.Array, seq_lens: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Sequence index and absolute position of each query token, both `[T]` int32."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = seq_lens.shape[0]
-    seq_idx = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
-    seq_idx = jnp.minimum(seq_idx, num_seqs - 1)
-    q_start = query_start_loc[seq_idx]
-    q_len = query_start_loc[seq_idx + 1] - q_start
-    position = seq_lens[seq_idx] - q_len + (t - q_start)
-    return seq_idx, position
+class _Items(NamedTuple):
+    """Work items: up to QUERY_TILE consecutive queries of one sequence each."""
+
+    seq: jax.Array  # [I] sequence of each item
+    start: jax.Array  # [I] first query row
+    valid: jax.Array  # [I] False for items past the real work
+
+
+def _work_items(num_tokens: int, query_start_loc: jax.Array) -> _Items:
+    num_seqs = query_start_loc.shape[0] - 1
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    per_seq = (q_len + QUERY_TILE - 1) // QUERY_TILE
+    ends = jnp.cumsum(per_seq)
+    # Each sequence wastes at most one partial tile: a static bound on the item count.
+    count = -(-num_tokens // QUERY_TILE) + num_seqs
+    i = jnp.arange(count, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), num_seqs - 1).astype(jnp.int32)
+    start = query_start_loc[seq] + (i - (ends[seq] - per_seq[seq])) * QUERY_TILE
+    return _Items(seq, start, i < ends[-1])
 
 
 def paged_attention(
@@ -65,35 +76,59 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
+    """Flash-style: per item, an online softmax over key chunks of the item's own
+    sequence, so the work follows each sequence's real length, not the table width."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    seq_idx, position = token_metadata(num_tokens, query_start_loc, seq_lens)
-    valid = jnp.arange(num_tokens) < query_start_loc[-1]
-    tile = min(QUERY_TILE, num_tokens)
-    pad = -num_tokens % tile
-    num_tiles = (num_tokens + pad) // tile
+    chunk_blocks = max(1, KEY_CHUNK // block_size)
+    chunk = chunk_blocks * block_size
+    width = block_tables.shape[1]
+    tables = jnp.pad(block_tables, ((0, 0), (0, -width % chunk_blocks)))
+    q_pad = jnp.pad(q, ((0, QUERY_TILE), (0, 0), (0, 0)))  # windows never run off the end
+    items = _work_items(num_tokens, query_start_loc)
 
-    def tiled(x: jax.Array) -> jax.Array:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(num_tiles, tile, *x.shape[1:])
+    def one_item(item: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        s, start, valid = item
+        rows = start + jnp.arange(QUERY_TILE, dtype=jnp.int32)  # [Qt]
+        row_ok = valid & (rows < query_start_loc[s + 1])
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        pos = seq_lens[s] - q_len + (rows - query_start_loc[s])  # [Qt]
+        qi = jax.lax.dynamic_slice_in_dim(q_pad, start, QUERY_TILE).astype(jnp.float32)
+        qi = qi.reshape(QUERY_TILE, num_kv_heads, group, head_dim) * scale
 
-    key_pos = jnp.arange(block_tables.shape[1] * block_size, dtype=jnp.int32)  # [L]
+        def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            m, denom, acc = carry  # [Hkv, G, Qt], [Hkv, G, Qt], [Hkv, G, Qt, D]
+            blocks = jax.lax.dynamic_slice_in_dim(tables[s], c * chunk_blocks, chunk_blocks)
+            k = k_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
+            v = v_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
+            key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            mask = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]  # [Qt, C]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > pos[:, None] - sliding_window
+            scores = jnp.einsum("qkgd,ckd->kgqc", qi, k)
+            scores = jnp.where(mask, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.exp(scores - m_new[..., None])
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + p.sum(-1)
+            acc = acc * correction[..., None] + jnp.einsum("kgqc,ckd->kgqd", p, v)
+            return m_new, denom, acc
 
-    def one_tile(args: tuple[jax.Array, ...]) -> jax.Array:
-        q_t, seq_t, pos_t, valid_t = args  # [tile, Hq, D], [tile], [tile], [tile]
-        blocks = block_tables[seq_t]  # [tile, W]
-        k = k_cache[blocks].reshape(tile, -1, num_kv_heads, head_dim)  # [tile, L, Hkv, D]
-        v = v_cache[blocks].reshape(tile, -1, num_kv_heads, head_dim)
-        qg = q_t.reshape(tile, num_kv_heads, group, head_dim).astype(jnp.float32)
-        scores = jnp.einsum("tkgd,tlkd->tkgl", qg, k.astype(jnp.float32)) * scale
-        mask = (key_pos[None, :] <= pos_t[:, None]) & valid_t[:, None]  # [tile, L]
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > pos_t[:, None] - sliding_window
-        scores = jnp.where(mask[:, None, None, :], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("tkgl,tlkd->tkgd", probs, v.astype(jnp.float32))
-        return out.reshape(tile, num_heads, head_dim).astype(q.dtype)
+        shape = (num_kv_heads, group, QUERY_TILE)
+        init = (
+            jnp.full(shape, MASK_VALUE, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        num_chunks = jnp.where(valid, (seq_lens[s] + chunk - 1) // chunk, 0)
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+        out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [Hkv, G, Qt, D]
+        out = out.transpose(2, 0, 1, 3).reshape(QUERY_TILE, num_heads, head_dim)
+        return out.astype(q.dtype), jnp.where(row_ok, rows, num_tokens)
 
-    out = jax.lax.map(one_tile, (tiled(q), tiled(seq_idx), tiled(position), tiled(valid)))
-    return out.reshape(num_tiles * tile, num_heads, head_dim)[:num_tokens]
+    outs, rows = jax.lax.map(one_item, tuple(items), batch_size=8)  # [I, Qt, Hq, D], [I, Qt]
+    # Every real query row belongs to exactly one item; the rest land in a dump row.
+    out = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
+    out = out.at[rows.reshape(-1)].set(outs.reshape(-1, num_heads, head_dim))
+    return out[:num_tokens]
