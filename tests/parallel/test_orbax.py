@@ -45,3 +45,12 @@ def test_convert_refuses_non_empty_output(checkpoints, tmp_path):
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(ValueError, match="not empty"):
         convert(str(checkpoints["llama"]), str(tmp_path))
+
+
+def test_cli_convert(checkpoints, tmp_path):
+    from jvllm.cli import main
+
+    out = tmp_path / "conv"
+    assert main(["convert", str(checkpoints["qwen2"]), str(out), "--dtype", "bfloat16"]) == 0
+    assert load_model(out).dtype == "bfloat16"
+    assert main(["convert", str(checkpoints["qwen2"]), str(out)]) == 2  # not empty

@@ -1,0 +1,365 @@
+"""AsyncLLM: the engine loop on its own thread, and one asyncio output stream per request.
+
+Owns the only thread that may touch the `LLMEngine` (it is not thread-safe). Callers
+on the event loop never call the engine: they queue commands (add, abort, stop) that
+the engine thread applies between steps, and read each request's outputs from a
+`RequestStream`. It also times requests (queue time, TTFT, inter-token latency,
+end-to-end) for a `LatencyObserver`, keeps a snapshot of `get_metrics()` that any
+thread may read, and turns an engine crash into an error on every in-flight stream.
+
+Streams are cumulative and coalescing: each item is the request's full output so far
+(vLLM's CUMULATIVE kind), and a slow reader skips stale items rather than queueing
+them, so memory stays bounded whatever the client's speed. Deltas are the reader's
+job. It does not build the engine (receive one, so this module never imports jax)
+and knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jvllm.async_llm")
+
+# Names passed to LatencyObserver.observe, one per latency histogram.
+QUEUE_TIME, TTFT, ITL, E2E = "queue_time", "time_to_first_token", "inter_token_latency", "e2e"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting to be scheduled; retry later."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server gave up on this request (for example at a shutdown deadline)."""
+
+
+class Engine(Protocol):
+    """What AsyncLLM needs of `LLMEngine`."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_metrics(self) -> dict[str, float]: ...
+
+
+class LatencyObserver(Protocol):
+    def observe(self, name: str, seconds: float) -> None:
+        """Called on the engine thread with one of QUEUE_TIME, TTFT, ITL, E2E."""
+
+
+class _Add(NamedTuple):
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    arrival: float
+    done: concurrent.futures.Future[None]
+
+
+class _Abort(NamedTuple):
+    request_id: str
+
+
+class _Stop(NamedTuple):
+    pass
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    scheduled: bool = False
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class RequestStream:
+    """Outputs of one request, newest only. Iterate it; `close()` aborts it if unfinished.
+
+    Lives on the event loop: only loop code touches it."""
+
+    def __init__(self, request_id: str, on_close: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self.queued = True  # not scheduled yet: counts against max_queued_requests
+        self._on_close = on_close
+        self._latest: RequestOutput | None = None
+        self._error: Exception | None = None
+        self._event = asyncio.Event()
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        self._event.set()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        if self._latest is None and self._error is None:
+            await self._event.wait()
+        self._event.clear()
+        output, self._latest = self._latest, None
+        if output is None:
+            self._done = True
+            assert self._error is not None
+            raise self._error
+        if output.finished:
+            self._done = True
+        return output
+
+    def close(self) -> None:
+        """Aborts the request unless it already finished; safe to call twice."""
+        if not self._done:
+            self._done = True
+            self._on_close(self)
+
+
+class AsyncLLM:
+    """`await add_request(...)` -> RequestStream. Call `start()` on the event loop first."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued_requests: int | None = None,
+        observer: LatencyObserver | None = None,
+        on_dead: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        # The frontend tokenizes with its own copy: Rust tokenizers are not safe to
+        # share with the thread that detokenizes every step.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.max_queued_requests = max_queued_requests
+        self._observer = observer
+        self._on_dead = on_dead
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # loop-owned
+        self._num_queued = 0  # loop-owned
+        self._timings: dict[str, _Timing] = {}  # engine-thread-owned
+        self._applying: list[_Add | _Abort | _Stop] = []  # engine-thread-owned
+        self._metrics: dict[str, float] = dict(engine.get_metrics())
+        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
+
+    # -- event-loop side --
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's `get_metrics()` as of its last step or command (any thread)."""
+        return self._metrics
+
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams
+    ) -> RequestStream:
+        """Queues a request; raises ValueError (bad input), QueueFullError or EngineDeadError."""
+        self._check_alive()
+        if self.max_queued_requests is not None and self._num_queued >= self.max_queued_requests:
+            raise QueueFullError(f"{self._num_queued} requests are already waiting")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self._close_stream)
+        self._streams[request_id] = stream
+        self._num_queued += 1
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            # Rejected, or the caller went away: either way nobody reads this stream.
+            stream.close()
+            raise
+        return stream
+
+    def abort_all(self, reason: str) -> None:
+        """Ends every in-flight request with RequestAbortedError(reason)."""
+        for stream in list(self._streams.values()):
+            stream._fail(RequestAbortedError(reason))
+            self._close_stream(stream)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread after its current step."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def _close_stream(self, stream: RequestStream) -> None:
+        if self._streams.pop(stream.request_id, None) is None:
+            return
+        self._unqueue(stream)
+        if self._dead is None:
+            self._commands.put(_Abort(stream.request_id))
+
+    def _unqueue(self, stream: RequestStream) -> None:
+        if stream.queued:
+            stream.queued = False
+            self._num_queued -= 1
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # closed by its reader; the abort is on its way
+            self._unqueue(stream)
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self) -> None:
+        error = EngineDeadError(self._dead or "the engine loop stopped")
+        for stream in self._streams.values():
+            stream._fail(error)
+        self._streams.clear()
+        self._num_queued = 0
+        # Adds queued after the engine died would otherwise wait forever.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                _settle(command.done, error)
+        if self._on_dead is not None:
+            self._on_dead()
+
+    def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        # RuntimeError: the loop closed during shutdown, and nobody is left to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- engine thread --
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self._engine.has_unfinished_requests()
+                if not self._apply(self._take_commands(block=not busy)):
+                    return
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._metrics = dict(self._engine.get_metrics())
+        except Exception as e:
+            # Anything past validation leaves the engine in an unknown state: fail-stop.
+            logger.exception("the engine loop died")
+            self._dead = f"the engine failed ({type(e).__name__}) and cannot serve requests"
+            for command in self._applying:
+                if isinstance(command, _Add):
+                    _settle(command.done, EngineDeadError(self._dead))
+            self._call_on_loop(self._fail_all)
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
+        """Applies commands in order; returns False on a stop command."""
+        self._applying = commands
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Abort):
+                self._engine.abort_request(command.request_id)
+                self._timings.pop(command.request_id, None)
+                continue
+            if not command.done.set_running_or_notify_cancel():
+                continue  # the caller left before its request was added: skip it
+            try:
+                self._engine.add_request(
+                    command.request_id, command.prompt, command.params, command.arrival
+                )
+            except (ValueError, TypeError) as e:
+                command.done.set_exception(ValueError(str(e)))
+                continue
+            self._timings[command.request_id] = _Timing(command.arrival)
+            command.done.set_result(None)
+        return True
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        outputs = self._engine.step()
+        now = time.monotonic()
+        for output in outputs:
+            self._time(output, start, now)
+        if outputs:
+            self._call_on_loop(self._deliver, outputs)
+
+    def _time(self, output: RequestOutput, step_start: float, now: float) -> None:
+        timing = self._timings.get(output.request_id)
+        if timing is None:
+            return
+        observe = self._observer.observe if self._observer else _ignore
+        if not timing.scheduled:
+            timing.scheduled = True
+            observe(QUEUE_TIME, step_start - timing.arrival)
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens > timing.num_tokens:
+            if timing.last_token is None:
+                observe(TTFT, now - timing.arrival)
+            else:
+                observe(ITL, now - timing.last_token)
+            timing.last_token, timing.num_tokens = now, num_tokens
+        if output.finished:
+            observe(E2E, now - timing.arrival)
+            del self._timings[output.request_id]
+
+
+def _ignore(name: str, seconds: float) -> None:
+    pass
+
+
+def _settle(future: concurrent.futures.Future[None], error: Exception) -> None:
+    """Fails `future` unless it is already done or was cancelled meanwhile."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_exception(error)

@@ -1,0 +1,46 @@
+"""API-key check, as ASGI middleware in front of the router.
+
+Owns one decision: does this HTTP request carry `Authorization: Bearer <key>`? It is
+default-deny: every path needs the key except an exact allow-list (health, metrics,
+version, the OpenAPI document). It reads `scope["path"]`, the decoded path the router
+itself matches, never the Host header or the raw URL, so `//v1/...`, `/health/../v1`,
+absolute-form targets and Host tricks cannot slip a routed path past it (a path that
+is not exactly on the list needs the key, even if it then 404s). The comparison is
+constant-time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import error_envelope
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
+        if not api_key:
+            raise ValueError("api_key must be a non-empty string")
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._open = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            error_envelope(401, "Missing or invalid API key: send Authorization: Bearer <key>"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        values = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        # Two Authorization headers are ambiguous: refuse rather than pick one.
+        return len(values) == 1 and hmac.compare_digest(values[0], self._expected)

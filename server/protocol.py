@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models, and their caps.
+
+Owns the shape and range of every accepted field (OpenAI's names, plus vLLM's
+sampling extras) and the limits that keep one request from hogging the server.
+Checks that need the model (vocabulary, context length) are in `serving.py`; the
+response bodies are in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jvllm.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16  # sequences per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 512
+MAX_BODY_BYTES = 4 << 20
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class Strict(BaseModel):
+    # strict: "5" is not an int and true is not a number; NaN and inf are refused.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(Strict):
+    """Fields that completions and chat share."""
+
+    model: str | None = Field(None, description="A served model name; defaults to the first")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
+        None, description="A stop string or a list of them"
+    )
+    seed: Int64 | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    user: str | None = Field(None, max_length=256)
+    # vLLM's sampling extras.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+TokenIds = Annotated[list[int], Field(max_length=MAX_BODY_BYTES)]
+PromptInput = (
+    Annotated[str, Field(max_length=MAX_BODY_BYTES)]
+    | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: PromptInput = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists"
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = Field(
+        None, description="A string or a list of text parts"
+    )
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize: `prompt`, or `messages` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_BODY_BYTES)
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Strict):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_BODY_BYTES)

@@ -1,0 +1,256 @@
+"""What the completions and chat handlers share: the model check, model-aware
+validation, SamplingParams from a request, and submitting prompts to the engine.
+
+Owns turning engine and validation exceptions into API errors (400, 404, 503) before
+any response has started, so a bad request never reaches the engine half-submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from jvllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+from .errors import APIError, from_validation_error
+from .protocol import SamplingRequest
+from .responses import Usage
+from .streaming import ClientDisconnected, final_outputs, until_disconnected
+
+logger = logging.getLogger("jvllm.server")
+M = TypeVar("M", bound=BaseModel)
+# Seconds a client is told to wait when the queue is full.
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    token_ids: list[int]
+
+    def engine_input(self) -> dict[str, Any]:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs besides its request."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    model_path: str
+    is_demo: bool = False
+    max_body_bytes: int = 4 << 20
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist; this server serves "
+                f"{', '.join(self.served_model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"{param} holds token ids outside the vocabulary [0, "
+                f"{self.engine.vocab_size}): {bad[:5]}",
+                param=param,
+                code="invalid_value",
+            )
+
+    def check_logit_bias(self, bias: dict[str, float] | None) -> None:
+        if not bias:
+            return
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.engine.vocab_size:
+                raise APIError(
+                    400,
+                    f"logit_bias key {key[:20]!r} is not a token id in [0, "
+                    f"{self.engine.vocab_size})",
+                    param="logit_bias",
+                )
+            if not -100.0 <= value <= 100.0:
+                raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+
+    def max_tokens_for(self, prompt: Prompt, requested: int | None, explicit: bool) -> int:
+        """`requested` if it fits the context; the room left when not given explicitly."""
+        n = len(prompt.token_ids)
+        limit = self.engine.max_model_len
+        if n >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{n} tokens; it must be shorter, to leave room for generated tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if requested is None or (not explicit and n + requested > limit):
+            return limit - n
+        if n + requested > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but you requested "
+                f"{n + requested} tokens ({n} in the prompt, {requested} to generate)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    async def submit(
+        self, prefix: str, prompts: list[Prompt], params: list[SamplingParams]
+    ) -> list[RequestStream]:
+        """Adds every prompt, or none: a failure aborts those already added."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt.engine_input(), p))
+        except BaseException as e:
+            for stream in streams:
+                stream.close()
+            raise engine_error(e) from None
+        return streams
+
+
+async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """The final output of each stream; None if the client left first (the requests are
+    then aborted). Engine failures become API errors."""
+    try:
+        return await until_disconnected(request.receive, final_outputs(streams))
+    except ClientDisconnected:
+        return None
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def engine_error(e: BaseException) -> BaseException:
+    """The API error for an exception from AsyncLLM (others pass through)."""
+    if isinstance(e, QueueFullError):
+        return APIError(
+            503,
+            "The server is at capacity (the request queue is full); retry later",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, f"The request was aborted: {e}", code="aborted")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), code="invalid_value")
+    return e
+
+
+def stream_error(e: Exception) -> APIError:
+    """The error event for an exception raised after a stream began."""
+    error = engine_error(e)
+    if isinstance(error, APIError):
+        return error
+    logger.error("error while streaming a response", exc_info=e)
+    return APIError(500, "Internal error while streaming", code="internal_error")
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, **extra: Any) -> SamplingParams:
+    """SamplingParams from the shared request fields; 400 names the bad field."""
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        seed=req.seed,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **extra,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        message = str(e).removeprefix("SamplingParams.")
+        raise APIError(400, message, param=message.split(" ")[0], code="invalid_value") from None
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    total = prompt + completion
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
+    """Reads (capped), decodes and validates a JSON body: 413 or 400 on failure."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        raise _too_large(max_bytes) if declared.isdigit() else APIError(400, "bad Content-Length")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        detail = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise APIError(400, f"The body is not valid JSON: {detail}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The body is nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"The body must be a JSON object, got {_json_type(data)}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e, model) from None
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The body is larger than {max_bytes} bytes", code="body_too_large")
+
+
+def _json_type(value: object) -> str:
+    names = {str: "a string", list: "an array", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def now() -> int:
+    return int(time.time())

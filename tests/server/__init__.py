@@ -1,0 +1,120 @@
+"""Helpers for the server tests: a real `jvllm serve` process on a free localhost port.
+
+Each test module starts its own server once (engine warm-up compiles take seconds)
+with small engine limits, and stops it at the end. Tests talk to it over HTTP only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-0123456789"
+# Small limits keep warm-up and every test fast on a 2-core CI runner.
+SMALL_ENGINE = [
+    "--max-model-len", "256",
+    "--max-num-seqs", "16",
+    "--max-num-batched-tokens", "64",
+    "--block-size", "16",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -c <prelude> + jvllm.cli.main(["serve", *args])`, logging to a file."""
+
+    def __init__(self, args: list[str], prelude: str = "", env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_fd, self._log_path = tempfile.mkstemp(prefix="jvllm-serve-", suffix=".log")
+        argv = ["serve", *args, "--port", str(self.port), "--disable-access-log"]
+        code = f"import sys\n{prelude}\nfrom jvllm.cli import main\nsys.exit(main({argv!r}))\n"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        os.close(log_fd)
+
+    def log(self) -> str:
+        return Path(self._log_path).read_text()
+
+    def wait_ready(self, timeout: float = 240.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server did not exit within {timeout}s:\n{self.log()}") from None
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        Path(self._log_path).unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Family name (counters without `_total`) -> value, for the unlabelled jvllm samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (family.name, family.name + "_total"):
+                values[family.name] = sample.value
+    return values
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Polls /metrics until no request runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = (
+            m["jvllm:num_requests_running"] == 0
+            and m["jvllm:num_requests_waiting"] == 0
+            and m["jvllm:kv_cache_usage_perc"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def auth_headers(key: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

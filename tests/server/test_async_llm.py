@@ -1,0 +1,195 @@
+"""AsyncLLM against a fake engine (no jax, no HTTP): command ordering, aborts within one
+step, the queue bound, coalescing streams, latency observations and engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jvllm.engine.async_llm import (
+    E2E,
+    ITL,
+    QUEUE_TIME,
+    TTFT,
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """One token per running request per step; at most `max_running` run at once."""
+
+    max_model_len, vocab_size, tokenizer = 64, 100, object()
+
+    def __init__(self, step_s: float = 0.002, max_running: int = 4) -> None:
+        self.step_s, self.max_running = step_s, max_running
+        self.requests: dict[str, tuple[int, list[int]]] = {}
+        self.steps = 0
+        self.aborted_at: dict[str, int] = {}
+        self.fail = threading.Event()
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params, arrival_time=None):
+        self.thread_ids.add(threading.get_ident())
+        if prompt == "bad":
+            raise ValueError("prompt 'bad' is refused")
+        self.requests[request_id] = (params.max_tokens, [])
+
+    def abort_request(self, request_id):
+        self.aborted_at[request_id] = self.steps
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        if self.fail.is_set():
+            raise RuntimeError("device lost")
+        time.sleep(self.step_s)
+        self.steps += 1
+        outputs = []
+        for rid in list(self.requests)[: self.max_running]:
+            max_tokens, tokens = self.requests[rid]
+            tokens.append(len(tokens))
+            done = len(tokens) >= max_tokens
+            reason = "length" if done else None
+            completion = CompletionOutput(0, "x" * len(tokens), list(tokens), None, None, reason)
+            outputs.append(RequestOutput(rid, None, [1], None, [completion], done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def get_metrics(self):
+        return {"num_requests_running": min(len(self.requests), self.max_running)}
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.seen: dict[str, list[float]] = {}
+
+    def observe(self, name: str, seconds: float) -> None:
+        self.seen.setdefault(name, []).append(seconds)
+
+
+def run(coro_fn, engine: FakeEngine, **kw):
+    async def main():
+        llm = AsyncLLM(engine, **kw)
+        llm.start()
+        try:
+            return await coro_fn(llm)
+        finally:
+            await llm.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_outputs_are_cumulative_and_observed_on_the_engine_thread():
+    engine, observer = FakeEngine(), Observer()
+
+    async def go(llm):
+        stream = await llm.add_request("a", "p", SamplingParams(max_tokens=5))
+        return [out async for out in stream]
+
+    outs = run(go, engine, observer=observer)
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2, 3, 4]
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths)  # cumulative; a slow reader may skip some
+    assert threading.get_ident() not in engine.thread_ids and len(engine.thread_ids) == 1
+    assert len(observer.seen[QUEUE_TIME]) == len(observer.seen[TTFT]) == 1
+    assert len(observer.seen[ITL]) == 4 and len(observer.seen[E2E]) == 1
+
+
+def test_bad_request_raises_value_error_and_frees_its_slot():
+    async def go(llm):
+        with pytest.raises(ValueError, match="refused"):
+            await llm.add_request("a", "bad", SamplingParams())
+        stream = await llm.add_request("b", "p", SamplingParams(max_tokens=2))
+        return [o async for o in stream][-1]
+
+    assert run(go, FakeEngine(), max_queued_requests=1).finished
+
+
+def test_close_aborts_before_the_next_step():
+    engine = FakeEngine(step_s=0.005)
+
+    async def go(llm):
+        stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                steps_at_close = engine.steps
+                stream.close()
+                break
+        await asyncio.sleep(0.1)
+        return steps_at_close
+
+    steps_at_close = run(go, engine)
+    assert engine.aborted_at["a"] - steps_at_close <= 1
+    assert not engine.requests
+
+
+def test_caller_cancelled_before_its_add_is_applied():
+    engine = FakeEngine(step_s=0.05)
+
+    async def go(llm):
+        busy = await llm.add_request("a", "p", SamplingParams(max_tokens=4))
+        task = asyncio.ensure_future(llm.add_request("b", "p", SamplingParams(max_tokens=4)))
+        await asyncio.sleep(0.01)  # queued behind the running step
+        task.cancel()
+        await asyncio.sleep(0.2)
+        assert "b" not in engine.requests and not llm.is_dead
+        later = await llm.add_request("c", "p", SamplingParams(max_tokens=2))
+        return [o async for o in busy][-1].finished and [o async for o in later][-1].finished
+
+    assert run(go, engine)
+
+
+def test_queue_bound():
+    engine = FakeEngine(step_s=0.005, max_running=1)
+
+    async def go(llm):
+        running = await llm.add_request("a", "p", SamplingParams(max_tokens=50))
+        await running.__anext__()  # scheduled: no longer queued
+        waiting = await llm.add_request("b", "p", SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFullError):
+            await llm.add_request("c", "p", SamplingParams(max_tokens=2))
+        running.close()
+        return [o async for o in waiting][-1]
+
+    assert run(go, engine, max_queued_requests=1).finished
+
+
+def test_abort_all_errors_every_stream():
+    async def go(llm):
+        stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        await stream.__anext__()
+        llm.abort_all("shutting down")
+        with pytest.raises(RequestAbortedError, match="shutting down"):
+            async for _ in stream:
+                pass
+
+    run(go, FakeEngine())
+
+
+def test_engine_death_errors_streams_and_later_requests():
+    engine, died = FakeEngine(), []
+
+    async def go(llm):
+        stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        await stream.__anext__()
+        engine.fail.set()
+        with pytest.raises(EngineDeadError, match="RuntimeError"):
+            async for _ in stream:
+                pass
+        assert llm.is_dead and died == [True]
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("b", "p", SamplingParams())
+
+    run(go, engine, on_dead=lambda: died.append(True))
