@@ -54,6 +54,11 @@ class StepResult:
     all_logprobs: list[np.ndarray] | None  # per row [n, V] log_softmax of every new token
 
 
+def decode_first(rows: Sequence[StepRow]) -> list[int]:
+    """A stable order of row indices with the one-token (decode) rows first."""
+    return sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -161,6 +166,10 @@ class ModelRunner:
     ) -> StepResult:
         """One engine step: forward, sample every row, bring the results to the host."""
         assert len(rows) == len(sampling_rows)
+        # Decode rows first: the reference attention tiles a leading run of them.
+        order = decode_first(rows)
+        rows = [rows[i] for i in order]
+        sampling_rows = [sampling_rows[i] for i in order]
         logits, hidden, shape = self._run_forward(rows)
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
@@ -172,9 +181,15 @@ class ModelRunner:
             bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
             all_logprobs = [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         out = jax.device_get(out)  # the one sync per step: the scheduler needs the tokens
-        n = len(rows)
+        back = np.argsort(order)  # caller's row order
+        if all_logprobs is not None:
+            all_logprobs = [all_logprobs[i] for i in back]
         return StepResult(
-            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], all_logprobs
+            out.token_ids[back],
+            out.logprobs[back],
+            out.top_ids[back],
+            out.top_logprobs[back],
+            all_logprobs,
         )
 
     def forward_logits(
