@@ -124,3 +124,5 @@ class SamplingRow:
     step_index: int
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Tokens that may not be sampled this step (EOS and stop ids before min_tokens).
+    banned_token_ids: Sequence[int] = ()

@@ -95,6 +95,17 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(later.token_ids) >= first + 2
 
 
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    base = llm.generate("hello", greedy(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    first = base[0].outputs[0].token_ids[0]
+    out = llm.generate(
+        "hello", greedy(max_tokens=6, min_tokens=3, stop_token_ids=[first]), use_tqdm=False
+    )[0].outputs[0]
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
+    eos = llm.get_tokenizer().eos_token_id
+    assert eos not in out.token_ids[:3]
+
+
 def test_max_model_len_stops_with_length(llm):
     tok_ids = list(range(10, 250))  # 240 tokens, max_model_len 256
     out = llm.generate(

@@ -164,7 +164,7 @@ class LLMEngine:
             return outputs
         states = [self._seqs[row.request_id] for row in sched.scheduled]
         sampling_rows = [
-            s.sampling_row() if row.samples else _IDLE_ROW
+            s.sampling_row(self.eos_token_ids) if row.samples else _IDLE_ROW
             for s, row in zip(states, sched.scheduled, strict=True)
         ]
         want_prompt = [

@@ -54,14 +54,21 @@ class SequenceState:
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
 
-    def sampling_row(self) -> SamplingRow:
-        r = self.request
+    def sampling_row(self, eos_token_ids: frozenset[int]) -> SamplingRow:
+        r, params = self.request, self.request.sampling_params
+        banned: list[int] = []
+        if len(r.output_token_ids) < params.min_tokens:
+            # As vLLM: until min_tokens, neither a stop token nor EOS can be chosen.
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += sorted(eos_token_ids)
         return SamplingRow(
-            r.sampling_params,
+            params,
             self.seed,
             len(r.output_token_ids),
             r.prompt_token_ids,
             r.output_token_ids,
+            banned,
         )
 
     def add_token(self, result: Any, row: int) -> None:

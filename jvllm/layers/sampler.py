@@ -48,6 +48,7 @@ class SamplingMetadata:
     step_index: Array  # i32[S]; tokens the row's request has generated so far
     penalty_token_ids: Array  # i32[S, P]; prompt and output ids, -1 = padding
     penalty_is_output: Array  # bool[S, P]; True where the id is an output token
+    banned_token_ids: Array  # i32[S, B]; ids that may not be chosen, -1 = padding
 
 
 class SamplerOutput(NamedTuple):
@@ -65,7 +66,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """
     logits = logits.astype(jnp.float32)  # [S, V]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
-    penalised = apply_penalties(logits, md)  # [S, V]
+    penalised = _ban(apply_penalties(logits, md), md.banned_token_ids)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)  # [S]
 
@@ -89,6 +90,16 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
         | (md.presence_penalty != 0.0)
     )
     return lax.cond(active, _penalise, lambda lg, _: lg, logits, md)
+
+
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """Sets banned ids to -inf (min_tokens holds back EOS and stop ids)."""
+    if banned.shape[-1] == 0:  # static: no row in this bucket bans anything
+        return logits
+    num_rows, vocab = logits.shape
+    ids = jnp.where(banned >= 0, banned, vocab)  # padding -> V, dropped
+    rows = jnp.arange(num_rows)[:, None]
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
 def _penalise(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -178,8 +189,13 @@ def _penalty_entries(row: SamplingRow) -> tuple[list[int], list[bool]]:
     return prompt_only + outputs, [False] * len(prompt_only) + [True] * len(outputs)
 
 
+def banned_width_needed(rows: Sequence[SamplingRow]) -> int:
+    """The B that `make_sampling_metadata` needs for these rows; 0 when none bans."""
+    return max((len(row.banned_token_ids) for row in rows), default=0)
+
+
 def make_sampling_metadata(
-    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int
+    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int, banned_width: int = 0
 ) -> SamplingMetadata:
     """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised."""
     if len(rows) > num_rows:
@@ -198,6 +214,7 @@ def make_sampling_metadata(
         step_index=np.zeros(num_rows, np.int32),
         penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
         penalty_is_output=np.zeros((num_rows, penalty_width), bool),
+        banned_token_ids=np.full((num_rows, banned_width), -1, np.int32),
     )
     for i, row in enumerate(rows):
         _fill_row(md, i, row)
@@ -220,6 +237,10 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
     md.repetition_penalty[i] = p.repetition_penalty
     md.seeds[i] = row.seed
     md.step_index[i] = row.step_index
+    banned = list(row.banned_token_ids)
+    if len(banned) > md.banned_token_ids.shape[1]:
+        raise ValueError(f"row {i} bans {len(banned)} ids; size banned_width for it")
+    md.banned_token_ids[i, : len(banned)] = banned
     if not p.uses_penalties:
         return
     ids, is_output = _penalty_entries(row)

@@ -173,7 +173,9 @@ class ModelRunner:
         logits, hidden, shape = self._run_forward(rows)
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
-        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width)
+        banned = sampler.banned_width_needed(sampling_rows)
+        banned = max(8, 1 << (banned - 1).bit_length()) if banned else 0  # power-of-two bucket
+        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
         out = self._sample_fn(logits, self._put(md))
         all_logprobs = None
         if want_all_logprobs:

@@ -16,6 +16,7 @@ from jvllm.layers.sampler import (
     SamplingMetadata,
     SamplingRow,
     apply_penalties,
+    banned_width_needed,
     filter_logits,
     make_sampling_metadata,
     penalty_width_needed,
@@ -347,3 +348,20 @@ def test_make_sampling_metadata_rejects(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         make_sampling_metadata(rows, num_rows, width)
+
+
+def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
+    logits = _logits(3, 50, seed=9)
+    top = logits.argmax(-1)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), (), [int(top[0])]),
+        SamplingRow(SamplingParams(temperature=1.0), 5, 0, (), (), [int(top[1]), 3]),
+        _row(temperature=0.0),
+    ]
+    md = make_sampling_metadata(rows, 4, 0, banned_width_needed(rows))
+    out = sample_jit(np.pad(logits, ((0, 1), (0, 0))), md)
+    assert out.token_ids[0] == np.argsort(-logits[0])[1]  # the runner-up
+    assert out.token_ids[1] not in (top[1], 3) and out.token_ids[2] == top[2]
+    assert out.top_ids[0, 0] == top[0]  # logprobs stay those of the raw logits
+    with pytest.raises(ValueError, match="bans 2 ids"):
+        make_sampling_metadata(rows, 4, 0, 1)
