@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: metadata pytree and backend dispatch.
 
 Owns `AttentionMetadata` (the per-step arrays every layer shares) and the choice
-between the reference jax.numpy attention and GPU kernels. Backends receive one
+between the reference jax.numpy attention ("reference") and the Triton kernels
+launched through jax-triton ("triton", NVIDIA GPUs only). Backends receive one
 layer's cache and return it updated with this step's K/V.
 """
 
@@ -37,10 +38,17 @@ def paged_attention(
     sliding_window: int | None,
 ) -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V into the cache, then attends through the block tables."""
-    if backend != "reference":
-        raise ValueError(f"attention backend {backend!r} is not available on this build")
+    if backend == "reference":
+        attend = reference.paged_attention
+    elif backend == "triton":
+        # Imported here: it needs Triton, which a CPU install may lack.
+        from jvllm.kernels import jax_triton_attention
+
+        attend = jax_triton_attention.paged_attention
+    else:
+        raise ValueError(f"attention backend must be 'reference' or 'triton', got {backend!r}")
     k_cache, v_cache = reference.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
-    out = reference.paged_attention(
+    out = attend(
         q,
         k_cache,
         v_cache,
