@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One command for a lent NVIDIA GPU (the device tool's nvidia-h200: Python 3.12, jax 0.11,
+# triton 3.6, torch preinstalled, no network): installs the carried wheels the image lacks
+# (jax-triton at least) and jvllm itself, then runs the `gpu` tests, the decode-attention
+# kernel benchmark and, when bench/throughput.py exists, the 8B throughput benchmark;
+# prints a short table last. About 8 minutes; each step has a time limit.
+#
+# Here, once, from the repository root (.whl/ is git-ignored; the image has jax 0.11,
+# triton 3.6 and absl-py, which is what jax-triton 0.3.1 needs):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1
+# Then with the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"],
+# timeout_s=600). Logs and result JSON land in $OUT, which the tool brings back (without
+# $OUT: logs in /tmp/gpu_check, results in bench/results/).
+# Knobs: GPU_CHECK_BUDGET (seconds, default 480), THROUGHPUT_ARGS (default below).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit
+
+BUDGET=${GPU_CHECK_BUDGET:-480}
+THROUGHPUT_ARGS=${THROUGHPUT_ARGS:---preset 8b --num-prompts 256 --skip-hf}
+LOGS=${OUT:-/tmp/gpu_check}
+RESULTS=${OUT:-bench/results}
+PY=${PYTHON:-python3}
+mkdir -p "$LOGS" "$RESULTS"
+export PYTHONUNBUFFERED=1
+# Torch and JAX share the GPU: neither may take most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+unset TRITON_INTERPRET
+
+SUMMARY=()
+# step NAME SECONDS COMMAND...: runs COMMAND under a time limit, logs to $LOGS/NAME.log.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+  rc=${PIPESTATUS[0]}
+  SUMMARY+=("$(printf '%-12s %-8s %5ss' "$name" "$([ "$rc" = 0 ] && echo ok || echo "rc=$rc")" \
+    $((SECONDS - t0)))")
+}
+left() { echo $((BUDGET - SECONDS)); }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "no .whl/ carried: jax-triton must already be installed" >&2
+fi
+# Editable, so that jvllm.kernels (the top-level kernels/ folder) imports from this tree.
+step install 120 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+if ! "$PY" -c "import jvllm.kernels, jvllm.server" 2>/dev/null; then
+  # No usable setuptools there: map the two folders the way pyproject's package-dir does.
+  echo "pip install -e . failed: linking jvllm/kernels and jvllm/server instead" >&2
+  ln -sfn ../kernels jvllm/kernels && ln -sfn ../server jvllm/server
+fi
+step versions 60 "$PY" -c "
+import jax, triton, torch
+try:
+    import jax_triton; jt = jax_triton.__version__
+except Exception as e:
+    jt = f'missing ({e})'
+print(torch.cuda.get_device_name(), '| jax', jax.__version__, jax.devices(),
+      '| triton', triton.__version__, '| torch', torch.__version__, '| jax-triton', jt)"
+# The image lacks the server's packages; its tests are CPU tests, so leave them out then.
+IGNORE=()
+"$PY" -c "import starlette, pydantic, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/server)
+step gpu-tests 240 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${IGNORE[@]}" tests
+step kernel 240 "$PY" bench/kernel.py --sweep 256 --output "$RESULTS/kernel.json"
+if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
+  # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
+  step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
+    --output "$RESULTS/throughput_8b.json"
+elif [ -f bench/throughput.py ]; then
+  SUMMARY+=("throughput   skipped  (under 90 s left of GPU_CHECK_BUDGET=$BUDGET)")
+fi
+
+echo
+echo "=== gpu tests"
+grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)" "$LOGS/gpu-tests.log" | tail -8
+echo "=== kernel: decode attention, bf16, 32/8 heads, head_dim 128 (goal: batch 256, ctx 4096 >= 80%)"
+if [ -f "$RESULTS/kernel.json" ]; then
+  "$PY" -c "import json, sys; sys.path.insert(0, '.'); from bench import kernel
+print(kernel.report(json.load(open('$RESULTS/kernel.json'))))"
+else
+  tail -5 "$LOGS/kernel.log"
+fi
+echo "=== steps ($((SECONDS))s in all)"
+printf '%s\n' "${SUMMARY[@]}"

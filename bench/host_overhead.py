@@ -1,0 +1,250 @@
+"""Host overhead of one engine step, with no device work at all.
+
+For each count of running decode sequences (64, 256 and 1024 by default) it times, per
+step: `Scheduler.schedule()`, the runner's input preparation (`pack_rows` into the one
+packed int32 buffer, `make_sampling_metadata`), and `update_from_output()`; then a whole
+`LLMEngine.step()` whose runner only prepares inputs and returns fixed tokens (so the
+figure adds the engine's bookkeeping and incremental detokenization). The goal figure is
+schedule + input preparation, in microseconds per step.
+
+    python bench/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from bench import common
+from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.request import Request
+from jvllm.engine.scheduler import Scheduler
+from jvllm.layers.sampler import make_sampling_metadata
+from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, pow2_buckets
+from jvllm.runner.model_runner import MIN_TOKEN_BUCKET, StepResult
+from jvllm.sampling_params import SamplingParams, SamplingRow
+
+GOAL_US_AT_256 = 1000.0
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--num-seqs", default="64,256,1024", help="comma-separated running counts")
+    p.add_argument("--prompt-len", type=int, default=256, help="context of every sequence")
+    p.add_argument("--max-model-len", type=int, default=2048, help="sets the block-table width")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "host_overhead.json")
+    args = p.parse_args(argv)
+    try:
+        args.num_seqs = [int(n) for n in args.num_seqs.split(",")]
+    except ValueError:
+        p.error(f"--num-seqs must be like 64,256,1024, got {args.num_seqs!r}")
+    if min(args.num_seqs) < 1 or args.steps < 1:
+        p.error("--num-seqs entries and --steps must be >= 1")
+    return args
+
+
+class Setup:
+    """Configs for N running sequences, sized so that none is ever preempted."""
+
+    def __init__(self, args: argparse.Namespace, num_seqs: int) -> None:
+        self.args = args
+        self.num_seqs = num_seqs
+        batched = max(2048, num_seqs)
+        self.scheduler_config = SchedulerConfig(num_seqs, batched, args.max_model_len)
+        per_seq = math.ceil((args.prompt_len + 4 * args.steps + 8) / args.block_size)
+        one_full_seq = math.ceil(args.max_model_len / args.block_size)  # the scheduler checks it
+        self.num_blocks = max(num_seqs * per_seq, one_full_seq) + 1
+        self.cache_config = CacheConfig(args.block_size, num_gpu_blocks_override=self.num_blocks)
+        # The runner's bucketing (ModelRunner.batch_shape), without building a model.
+        self.buckets = pow2_buckets(MIN_TOKEN_BUCKET, batched)
+        self.width = math.ceil(args.max_model_len / args.block_size)
+        rng = np.random.default_rng(args.seed)
+        low = len(common.SPECIAL_TOKENS)
+        self.prompts = rng.integers(low, args.vocab_size, (num_seqs, args.prompt_len)).tolist()
+        self.sampled = rng.integers(low, args.vocab_size, 1 << 16).tolist()
+
+    def shape(self, num_tokens: int) -> BatchShape:
+        t = pick_bucket(num_tokens, self.buckets)
+        return BatchShape(t, min(t, self.scheduler_config.max_num_seqs), self.width)
+
+
+def time_components(setup: Setup) -> dict[str, list[float]]:
+    """Drives a bare Scheduler: prefill everything untimed, then time decode steps."""
+    sched = Scheduler(setup.scheduler_config, setup.cache_config, setup.num_blocks)
+    requests = [Request(str(i), p, _GREEDY) for i, p in enumerate(setup.prompts)]
+    for r in requests:
+        sched.add_request(r)
+    times: dict[str, list[float]] = {k: [] for k in ("schedule", "pack", "sampling", "update")}
+    step = 0
+    while len(times["schedule"]) < setup.args.steps:
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        rows = out.scheduled
+        shape = setup.shape(out.num_scheduled_tokens)
+        pack_rows(rows, shape, setup.args.block_size)
+        t2 = time.perf_counter()
+        srows = [SamplingRow(_GREEDY, i, step, (), ()) for i in range(len(rows))]
+        t3 = time.perf_counter()
+        make_sampling_metadata(srows, shape.num_seqs, 0)
+        t4 = time.perf_counter()
+        sampled = {
+            r.request_id: setup.sampled[(step + i) % len(setup.sampled)]
+            for i, r in enumerate(rows)
+            if r.samples
+        }
+        t5 = time.perf_counter()
+        sched.update_from_output(out, sampled)
+        t6 = time.perf_counter()
+        step += 1
+        if len(rows) == setup.num_seqs and all(len(r.token_ids) == 1 for r in rows):
+            for key, dt in zip(times, (t1 - t0, t2 - t1, t4 - t3, t6 - t5), strict=True):
+                times[key].append(dt)
+    return times
+
+
+class NoDeviceRunner:
+    """The engine's runner minus the device: prepares inputs, returns preset tokens."""
+
+    num_compilations = 0
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.calls = 0
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        pass
+
+    def execute(self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False) -> Any:
+        shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
+        pack_rows(rows, shape, self.setup.args.block_size)
+        make_sampling_metadata(sampling_rows, shape.num_seqs, 0)
+        n, start = len(rows), (self.calls * 7919) % (len(self.setup.sampled) - len(rows))
+        self.calls += 1
+        tokens = np.array(self.setup.sampled[start : start + n], np.int32)
+        zeros = np.zeros((n, 1), np.float32)
+        return StepResult(tokens, zeros[:, 0], zeros.astype(np.int32), zeros, None)
+
+
+def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
+    cfg = EngineConfig(
+        ModelConfig("host-overhead"), setup.cache_config, setup.scheduler_config, ParallelConfig()
+    )
+    runner = NoDeviceRunner(setup)
+    engine = LLMEngine(cfg, tokenizer, runner, setup.num_blocks, setup.args.vocab_size, [1])
+    for i, prompt in enumerate(setup.prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, _GREEDY)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()  # prefill, untimed
+    return [_timed(engine.step) for _ in range(setup.args.steps)]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _stats(seconds: list[float]) -> dict[str, float]:
+    us = [1e6 * s for s in seconds]
+    return dict(median_us=statistics.median(us), mean_us=statistics.fmean(us), min_us=min(us))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    result = common.envelope(__file__, argv)
+    result["config"] = {k: v for k, v in vars(args).items() if k != "output"} | {
+        "output": str(args.output)
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
+        common.write_tokenizer(Path(tmp), args.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    rows = []
+    for n in args.num_seqs:
+        setup = Setup(args, n)
+        comp = time_components(setup)
+        total = [
+            sum(parts)
+            for parts in zip(comp["schedule"], comp["pack"], comp["sampling"], strict=True)
+        ]
+        entry = {k: _stats(v) for k, v in comp.items()}
+        entry.update(num_seqs=n, schedule_and_prep=_stats(total))
+        entry["engine_step"] = _stats(time_engine_steps(setup, tokenizer))
+        rows.append(entry)
+        common.log(f"{n} sequences: {entry['schedule_and_prep']['median_us']:.0f} us/step")
+    result["results"] = rows
+    at_256 = [r for r in rows if r["num_seqs"] == 256]
+    if at_256:
+        us = at_256[0]["schedule_and_prep"]["median_us"]
+        result["goal"] = dict(
+            target_us_at_256=GOAL_US_AT_256, measured_us=us, met=us <= GOAL_US_AT_256
+        )
+    print_report(result)
+    common.write_result(args.output, result)
+    return result
+
+
+def print_report(result: dict[str, Any]) -> None:
+    keys = ("schedule", "pack", "sampling", "update", "schedule_and_prep", "engine_step")
+    table = [
+        [
+            r["num_seqs"],
+            *(r[k]["median_us"] for k in keys),
+            r["schedule_and_prep"]["median_us"] / r["num_seqs"],
+        ]
+        for r in result["results"]
+    ]
+    print(
+        "median microseconds per decode step, no device work "
+        f"(context {result['config']['prompt_len']}+, max_model_len "
+        f"{result['config']['max_model_len']}):"
+    )
+    print(
+        common.format_table(
+            [
+                "seqs",
+                "schedule",
+                "pack_rows",
+                "sampling md",
+                "update",
+                "sched+prep",
+                "engine.step",
+                "us/seq",
+            ],
+            table,
+        )
+    )
+    if "goal" in result:
+        g = result["goal"]
+        verdict = (
+            "met" if g["met"] else f"missed by {g['measured_us'] / g['target_us_at_256']:.1f}x"
+        )
+        print(f"goal: schedule + input prep <= 1 ms per step at 256 sequences: {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Smoke tests of the benchmark scripts: tiny sizes, seconds, and well-formed results.
+
+They assert the fields and that the values are sane (positive rates, fractions in
+range, lengths as requested), never a speed: CI machines vary too much for that.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_tiny_preset(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    cache = tmp_path / "jax-cache"
+    # A subprocess: the persistent compilation cache must be set before JAX computes.
+    cmd = [
+        sys.executable, "bench/throughput.py", "--preset", "tiny", "--num-prompts", "6",
+        "--models-dir", str(tmp_path / "models"), "--compilation-cache-dir", str(cache),
+        "--matmul-size", "256", "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "req/s" in proc.stdout and "ratio continuous over hf" in proc.stdout
+
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python bench/throughput.py --preset tiny")
+    assert result["workload"]["num_requests"] == 6
+    assert result["workload"]["useful_flops"] > 0
+    assert result["yardstick"]["peak_flops"] > 0
+    assert result["compilation_cache"]["entries_before"] == 0
+    assert any(cache.iterdir()), "the persistent compilation cache stayed empty"
+    runs = result["runs"]
+    assert set(runs) == {"continuous", "static", "hf"}
+    for name in ("continuous", "static", "hf"):
+        run = runs[name]
+        for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+            assert run[key] > 0, (name, key)
+        assert run["total_tokens_per_s"] > run["output_tokens_per_s"]
+    for name in ("continuous", "static"):
+        run = runs[name]
+        assert run["new_compilations"] == 0
+        assert run["compilations_after_warmup"] > 0
+        assert run["start_s"] > 0
+        assert 0 < run["kv_utilisation"]["mean"] <= 1
+        assert 0 <= run["padding"]["waste_fraction"] < 1
+        assert run["num_kv_blocks"] == runs["continuous"]["num_kv_blocks"]
+        split = run["time_split"]
+        assert 0 < split["execute_s"] <= split["step_s"]
+        assert split["pack_rows_s"] > 0 and split["sampling_metadata_s"] > 0
+        # Per-step FLOPs cover the workload's, plus any recompute after a preemption.
+        useful = result["workload"]["useful_flops"]
+        assert run["step_flops"] >= useful * (1 - 1e-9)
+        if run["num_preemptions"] == 0:
+            assert run["step_flops"] == pytest.approx(useful, rel=1e-9)
+        steps = run["per_step"]
+        assert len(steps["wall_ms"]) == run["num_steps"]
+        assert all(t <= b for t, b in zip(steps["tokens"], steps["bucket"], strict=True))
+    # Paged allocation wastes less than reserving max_model_len per sequence.
+    assert runs["continuous"]["kv_utilisation"]["mean"] > runs["static"]["kv_utilisation"]["mean"]
+    assert runs["hf"]["batch_size"] in result["preset"]["hf_batch_sizes"]
+    summary = result["summary"]
+    assert summary["ratios"]["continuous_over_hf"] > 0
+    assert summary["ratios"]["continuous_over_static"] > 0
+    assert summary["continuous"]["roofline_fraction"] > 0
+
+
+def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import host_overhead
+
+    out = tmp_path / "host.json"
+    result = host_overhead.main(
+        ["--num-seqs", "8,32", "--steps", "5", "--prompt-len", "20", "--output", str(out)]
+    )
+    assert "sched+prep" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["command"].startswith("python bench/host_overhead.py --num-seqs 8,32")
+    assert [r["num_seqs"] for r in written["results"]] == [8, 32]
+    for row in result["results"]:
+        for key in ("schedule", "pack", "sampling", "update", "schedule_and_prep", "engine_step"):
+            stats = row[key]
+            assert 0 < stats["min_us"] <= stats["median_us"], (key, stats)
+    assert "goal" not in written  # only reported at 256 sequences
+
+
+def test_plot_writes_pngs(tmp_path: Path) -> None:
+    from bench import plot
+
+    serve = {
+        "benchmark": "serve",
+        "preset": {"name": "tiny"},
+        "runs": [
+            {
+                "request_rate": rate,
+                "output_throughput": 10.0 * i + 5,
+                "total_token_throughput": 20.0 * i + 9,
+                "goodput": 1.0,
+                **{k: {"mean": 3.0 + i, "p50": 2.0 + i, "p99": 9.0 + i} for k, _ in plot.LATENCIES},
+            }
+            for i, rate in enumerate([1.0, 4.0, "inf"])
+        ],
+    }
+    path = tmp_path / "serve_tiny.json"
+    path.write_text(json.dumps(serve))
+    written = plot.main([str(path)])
+    assert sorted(p.name for p in written) == [
+        "serve_tiny_latency.png",
+        "serve_tiny_throughput.png",
+    ]
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_serve_against_jvllm_serve(tmp_path: Path) -> None:
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    out = tmp_path / "serve.json"
+    cmd = [
+        sys.executable, "bench/serve.py", "--preset", "tiny", "--num-prompts", "4",
+        "--request-rate", "8,inf", "--max-concurrency", "3", "--goodput", "ttft:60000",
+        "--models-dir", str(tmp_path / "models"), "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "jvllm" in result["server_command"] and "serve" in result["server_command"]
+    assert [r["request_rate"] for r in result["runs"]] == [8.0, "inf"]
+    for run in result["runs"]:
+        assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
+        assert run["short_outputs"] == 0
+        assert run["max_concurrency"] == 3
+        assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+        assert run["goodput"] is not None and 0 <= run["goodput"] <= run["request_throughput"]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            dist = run[key]
+            assert 0 < dist["p50"] <= dist["p99"], (key, dist)
+        assert run["e2el_ms"]["p50"] >= run["ttft_ms"]["p50"]
