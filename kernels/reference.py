@@ -29,6 +29,8 @@ MASK_VALUE = -1e30
 QUERY_TILE = 8
 # Keys visited per inner-loop iteration.
 KEY_CHUNK = 128
+# Work items vectorised together per sequential step.
+ITEM_BATCH = 64
 
 
 def write_kv(
@@ -46,17 +48,30 @@ def write_kv(
 
 
 class _Items(NamedTuple):
-    """Work items: up to QUERY_TILE consecutive queries of one sequence each."""
+    """Work items: up to `tile` consecutive queries of one sequence each."""
 
     seq: jax.Array  # [I] sequence of each item
     start: jax.Array  # [I] first query row
     valid: jax.Array  # [I] False for items past the real work
 
 
-def _work_items(num_tokens: int, query_start_loc: jax.Array) -> _Items:
+def _leading_decodes(query_start_loc: jax.Array) -> jax.Array:
+    """How many sequences at the front of the batch run exactly one query (decodes);
+    the runner orders rows that way."""
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    return jnp.sum(jnp.cumprod(q_len == 1)).astype(jnp.int32)
+
+
+def _decode_items(query_start_loc: jax.Array, num_decodes: jax.Array) -> _Items:
+    seq = jnp.arange(query_start_loc.shape[0] - 1, dtype=jnp.int32)
+    return _Items(seq, query_start_loc[:-1], seq < num_decodes)
+
+
+def _prefill_items(num_tokens: int, query_start_loc: jax.Array, num_decodes: jax.Array) -> _Items:
     num_seqs = query_start_loc.shape[0] - 1
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     per_seq = (q_len + QUERY_TILE - 1) // QUERY_TILE
+    per_seq = jnp.where(jnp.arange(num_seqs) < num_decodes, 0, per_seq)
     ends = jnp.cumsum(per_seq)
     # Each sequence wastes at most one partial tile: a static bound on the item count.
     count = -(-num_tokens // QUERY_TILE) + num_seqs
@@ -77,7 +92,8 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Flash-style: per item, an online softmax over key chunks of the item's own
-    sequence, so the work follows each sequence's real length, not the table width."""
+    sequence, so the work follows each sequence's real length, not the table width.
+    Leading decode rows are one-query items; the rest go in tiles of QUERY_TILE."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -86,49 +102,55 @@ def paged_attention(
     width = block_tables.shape[1]
     tables = jnp.pad(block_tables, ((0, 0), (0, -width % chunk_blocks)))
     q_pad = jnp.pad(q, ((0, QUERY_TILE), (0, 0), (0, 0)))  # windows never run off the end
-    items = _work_items(num_tokens, query_start_loc)
 
-    def one_item(item: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        s, start, valid = item
-        rows = start + jnp.arange(QUERY_TILE, dtype=jnp.int32)  # [Qt]
-        row_ok = valid & (rows < query_start_loc[s + 1])
-        q_len = query_start_loc[s + 1] - query_start_loc[s]
-        pos = seq_lens[s] - q_len + (rows - query_start_loc[s])  # [Qt]
-        qi = jax.lax.dynamic_slice_in_dim(q_pad, start, QUERY_TILE).astype(jnp.float32)
-        qi = qi.reshape(QUERY_TILE, num_kv_heads, group, head_dim) * scale
+    def run_items(items: _Items, tile: int) -> tuple[jax.Array, jax.Array]:
+        def one_item(item: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+            s, start, valid = item
+            rows = start + jnp.arange(tile, dtype=jnp.int32)  # [Qt]
+            row_ok = valid & (rows < query_start_loc[s + 1])
+            pos = seq_lens[s] - query_start_loc[s + 1] + rows  # seq_len - q_len + offset
+            qi = jax.lax.dynamic_slice_in_dim(q_pad, start, tile).astype(jnp.float32)
+            qi = qi.reshape(tile, num_kv_heads, group, head_dim) * scale
 
-        def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            m, denom, acc = carry  # [Hkv, G, Qt], [Hkv, G, Qt], [Hkv, G, Qt, D]
-            blocks = jax.lax.dynamic_slice_in_dim(tables[s], c * chunk_blocks, chunk_blocks)
-            k = k_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
-            v = v_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
-            key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            mask = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]  # [Qt, C]
-            if sliding_window is not None:
-                mask &= key_pos[None, :] > pos[:, None] - sliding_window
-            scores = jnp.einsum("qkgd,ckd->kgqc", qi, k)
-            scores = jnp.where(mask, scores, MASK_VALUE)
-            m_new = jnp.maximum(m, scores.max(-1))
-            p = jnp.exp(scores - m_new[..., None])
-            correction = jnp.exp(m - m_new)
-            denom = denom * correction + p.sum(-1)
-            acc = acc * correction[..., None] + jnp.einsum("kgqc,ckd->kgqd", p, v)
-            return m_new, denom, acc
+            def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+                m, denom, acc = carry  # [Hkv, G, Qt], [Hkv, G, Qt], [Hkv, G, Qt, D]
+                blocks = jax.lax.dynamic_slice_in_dim(tables[s], c * chunk_blocks, chunk_blocks)
+                k = k_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
+                v = v_cache[blocks].reshape(chunk, num_kv_heads, head_dim).astype(jnp.float32)
+                key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+                mask = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]  # [Qt, C]
+                if sliding_window is not None:
+                    mask &= key_pos[None, :] > pos[:, None] - sliding_window
+                scores = jnp.einsum("qkgd,ckd->kgqc", qi, k)
+                scores = jnp.where(mask, scores, MASK_VALUE)
+                m_new = jnp.maximum(m, scores.max(-1))
+                p = jnp.exp(scores - m_new[..., None])
+                correction = jnp.exp(m - m_new)
+                denom = denom * correction + p.sum(-1)
+                acc = acc * correction[..., None] + jnp.einsum("kgqc,ckd->kgqd", p, v)
+                return m_new, denom, acc
 
-        shape = (num_kv_heads, group, QUERY_TILE)
-        init = (
-            jnp.full(shape, MASK_VALUE, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
-        )
-        num_chunks = jnp.where(valid, (seq_lens[s] + chunk - 1) // chunk, 0)
-        _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-        out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [Hkv, G, Qt, D]
-        out = out.transpose(2, 0, 1, 3).reshape(QUERY_TILE, num_heads, head_dim)
-        return out.astype(q.dtype), jnp.where(row_ok, rows, num_tokens)
+            shape = (num_kv_heads, group, tile)
+            init = (
+                jnp.full(shape, MASK_VALUE, jnp.float32),
+                jnp.zeros(shape, jnp.float32),
+                jnp.zeros((*shape, head_dim), jnp.float32),
+            )
+            num_chunks = jnp.where(valid, (seq_lens[s] + chunk - 1) // chunk, 0)
+            _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+            out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [Hkv, G, Qt, D]
+            out = out.transpose(2, 0, 1, 3).reshape(tile, num_heads, head_dim)
+            return out.astype(q.dtype), jnp.where(row_ok, rows, num_tokens)
 
-    outs, rows = jax.lax.map(one_item, tuple(items), batch_size=8)  # [I, Qt, Hq, D], [I, Qt]
+        # Items in vectorised batches: few sequential iterations, each a wide body.
+        outs, rows = jax.lax.map(one_item, tuple(items), batch_size=ITEM_BATCH)
+        return outs.reshape(-1, num_heads, head_dim), rows.reshape(-1)
+
+    num_decodes = _leading_decodes(query_start_loc)
+    dec_out, dec_rows = run_items(_decode_items(query_start_loc, num_decodes), 1)
+    pre_items = _prefill_items(num_tokens, query_start_loc, num_decodes)
+    pre_out, pre_rows = run_items(pre_items, QUERY_TILE)
     # Every real query row belongs to exactly one item; the rest land in a dump row.
     out = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
-    out = out.at[rows.reshape(-1)].set(outs.reshape(-1, num_heads, head_dim))
+    out = out.at[jnp.concatenate([dec_rows, pre_rows])].set(jnp.concatenate([dec_out, pre_out]))
     return out[:num_tokens]
