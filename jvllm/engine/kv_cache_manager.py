@@ -103,6 +103,16 @@ class KVCacheManager:
         """
         assert num_new_tokens >= 1, num_new_tokens
         table = self._block_tables.get(request.request_id, [])
+        if (
+            cached_prefix is None
+            and not num_reserved_tokens
+            and self._fits_privately(table, request.num_computed_tokens, num_new_tokens)
+        ):
+            # Fast path (most decode steps): the tokens land in the request's own last block.
+            end = request.num_computed_tokens + num_new_tokens
+            if self.enable_prefix_caching and end % self.block_size == 0:
+                self._register_full_blocks(request, table, end)
+            return True
         if cached_prefix is None:
             prefix, start = EMPTY_PREFIX, request.num_computed_tokens
         else:
@@ -167,6 +177,17 @@ class KVCacheManager:
             assert src not in written and dst not in written, copies
             written.add(dst)
         return copies
+
+    def _fits_privately(self, table: list[int], start: int, num_new: int) -> bool:
+        """Whether positions [start, start + num_new) all lie in the table's last block,
+        which no one else holds (so neither allocation nor copy-on-write is needed)."""
+        last = (len(table) - 1) * self.block_size
+        return (
+            bool(table)
+            and last <= start
+            and start + num_new <= last + self.block_size
+            and self.block_pool.ref_count(table[-1]) == 1
+        )
 
     def _shared_blocks_in(self, table: list[int], start: int, end: int) -> list[int]:
         """Indices of blocks in the table that positions [start, end) write and others hold."""

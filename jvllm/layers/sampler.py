@@ -216,32 +216,43 @@ def make_sampling_metadata(
         penalty_is_output=np.zeros((num_rows, penalty_width), bool),
         banned_token_ids=np.full((num_rows, banned_width), -1, np.int32),
     )
+    _fill_scalars(md, rows)
     for i, row in enumerate(rows):
-        _fill_row(md, i, row)
+        if row.banned_token_ids or row.params.uses_penalties:
+            _fill_row_lists(md, i, row)
     return md
 
 
-def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
-    """Write row i into md's (freshly allocated, still private) numpy buffers."""
-    if not 0 <= row.seed <= _U32_MAX:
-        raise ValueError(f"row {i}: seed must be in [0, 2**32), got {row.seed}")
-    if row.step_index < 0:
-        raise ValueError(f"row {i}: step_index must be >= 0, got {row.step_index}")
-    p = row.params
-    md.temperature[i] = p.temperature
-    md.top_p[i] = p.top_p
-    md.top_k[i] = max(p.top_k, 0)  # SamplingParams says -1 for off; the device says 0
-    md.min_p[i] = p.min_p
-    md.presence_penalty[i] = p.presence_penalty
-    md.frequency_penalty[i] = p.frequency_penalty
-    md.repetition_penalty[i] = p.repetition_penalty
-    md.seeds[i] = row.seed
-    md.step_index[i] = row.step_index
+def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
+    """Per-row scalars, a column at a time (the per-step host cost at hundreds of rows)."""
+    n = len(rows)
+    seeds = np.fromiter((r.seed for r in rows), np.int64, n)
+    steps = np.fromiter((r.step_index for r in rows), np.int64, n)
+    bad = np.flatnonzero((seeds < 0) | (seeds > _U32_MAX))
+    if bad.size:
+        raise ValueError(f"row {bad[0]}: seed must be in [0, 2**32), got {seeds[bad[0]]}")
+    bad = np.flatnonzero(steps < 0)
+    if bad.size:
+        raise ValueError(f"row {bad[0]}: step_index must be >= 0, got {steps[bad[0]]}")
+    params = [r.params for r in rows]
+    md.temperature[:n] = [p.temperature for p in params]
+    md.top_p[:n] = [p.top_p for p in params]
+    md.top_k[:n] = [max(p.top_k, 0) for p in params]  # -1 (off) on the host is 0 on device
+    md.min_p[:n] = [p.min_p for p in params]
+    md.presence_penalty[:n] = [p.presence_penalty for p in params]
+    md.frequency_penalty[:n] = [p.frequency_penalty for p in params]
+    md.repetition_penalty[:n] = [p.repetition_penalty for p in params]
+    md.seeds[:n] = seeds
+    md.step_index[:n] = steps
+
+
+def _fill_row_lists(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
+    """Row i's banned ids and penalty history into md's (still private) numpy buffers."""
     banned = list(row.banned_token_ids)
     if len(banned) > md.banned_token_ids.shape[1]:
         raise ValueError(f"row {i} bans {len(banned)} ids; size banned_width for it")
     md.banned_token_ids[i, : len(banned)] = banned
-    if not p.uses_penalties:
+    if not row.params.uses_penalties:
         return
     ids, is_output = _penalty_entries(row)
     width = md.penalty_token_ids.shape[1]
