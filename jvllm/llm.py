@@ -96,7 +96,7 @@ class LLM:
             # All or nothing: a bad prompt leaves no half-submitted batch behind.
             for request_id in added:
                 self.engine.abort_request(request_id)
-            self.engine.step()  # drain the aborted outputs
+            self.engine.step(final_only=True)  # drain the aborted outputs
             raise
         return added
 
@@ -106,7 +106,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start, out_tokens = time.perf_counter(), 0
         while len(done) < len(wanted):
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     out_tokens += sum(len(c.token_ids) for c in out.outputs)

@@ -152,9 +152,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedules, runs one device step, and returns the outputs of every request
-        that progressed (cumulative, like vLLM's default output kind)."""
+        that progressed (cumulative, like vLLM's default output kind), or with
+        `final_only` just those that finished (offline use: no per-step copies)."""
         outputs, self._finished_outputs = self._finished_outputs, []
         sched = self.scheduler.schedule()
         if sched.blocks_to_copy:
@@ -187,7 +188,10 @@ class LLMEngine:
                 self._check_stop(state)
             touched[state.group_id] = self._groups[state.group_id]
         for group in touched.values():
-            outputs.append(self._retire(group) if group.finished else group.output())
+            if group.finished:
+                outputs.append(self._retire(group))
+            elif not final_only:
+                outputs.append(group.output())
         return outputs
 
     def _check_stop(self, state: SequenceState) -> None:
