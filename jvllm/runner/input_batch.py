@@ -45,11 +45,6 @@ class BatchShape:
     num_seqs: int
     width: int
 
-    @property
-    def packed_size(self) -> int:
-        t, s, w = self.num_tokens, self.num_seqs, self.width
-        return 3 * t + (s + 1) + s + s * w + s
-
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
     """Powers of two from `smallest` up to and including `largest` (itself the last)."""
