@@ -74,9 +74,10 @@ class SequenceState:
     def add_token(self, result: Any, row: int) -> None:
         """Records the token the scheduler just appended; `result` is the runner's StepResult."""
         token = self.request.output_token_ids[-1]
-        logprob = float(result.logprobs[row])
-        self.cumulative_logprob += logprob
         if self.logprobs is not None:
+            # As vLLM: logprobs (and so the cumulative one) only when the request asks.
+            logprob = float(result.logprobs[row])
+            self.cumulative_logprob += logprob
             top = self.request.sampling_params.logprobs
             ids, lps = result.top_ids[row][:top], result.top_logprobs[row][:top]
             self.logprobs.append(self._position(token, logprob, ids, lps))
@@ -128,7 +129,7 @@ class SequenceState:
             text=self.detok.output_text,
             token_ids=list(self.request.output_token_ids),
             cumulative_logprob=self.cumulative_logprob
-            if math.isfinite(self.cumulative_logprob)
+            if self.logprobs is not None and math.isfinite(self.cumulative_logprob)
             else None,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,

@@ -49,6 +49,7 @@ class SamplingMetadata:
     penalty_token_ids: Array  # i32[S, P]; prompt and output ids, -1 = padding
     penalty_is_output: Array  # bool[S, P]; True where the id is an output token
     banned_token_ids: Array  # i32[S, B]; ids that may not be chosen, -1 = padding
+    want_logprobs: Array  # bool[S]; the row's request asked for logprobs
 
 
 class SamplerOutput(NamedTuple):
@@ -65,7 +66,6 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     never on the other rows or on how many padding rows the batch carries.
     """
     logits = logits.astype(jnp.float32)  # [S, V]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
     penalised = _ban(apply_penalties(logits, md), md.banned_token_ids)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)  # [S]
@@ -75,9 +75,22 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
 
     # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
     token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
-    logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]  # [S]
-    top_logprobs, top_ids = lax.top_k(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    return SamplerOutput(token_ids, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    num_top = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+        chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]  # [S]
+        top_logprobs, top_ids = lax.top_k(raw_logprobs, num_top)
+        return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
+        rows = logits.shape[0]
+        zeros = jnp.zeros((rows, num_top), jnp.float32)
+        return jnp.zeros(rows, jnp.float32), jnp.zeros((rows, num_top), jnp.int32), zeros
+
+    # A batch in which nobody asked for logprobs skips the log-softmax and the top-k.
+    logprobs, top_ids, top_logprobs = lax.cond(jnp.any(md.want_logprobs), with_logprobs, without)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -215,6 +228,7 @@ def make_sampling_metadata(
         penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
         penalty_is_output=np.zeros((num_rows, penalty_width), bool),
         banned_token_ids=np.full((num_rows, banned_width), -1, np.int32),
+        want_logprobs=np.zeros(num_rows, bool),
     )
     _fill_scalars(md, rows)
     for i, row in enumerate(rows):
@@ -244,6 +258,7 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     md.repetition_penalty[:n] = [p.repetition_penalty for p in params]
     md.seeds[:n] = seeds
     md.step_index[:n] = steps
+    md.want_logprobs[:n] = [p.logprobs is not None for p in params]
 
 
 def _fill_row_lists(md: SamplingMetadata, i: int, row: SamplingRow) -> None:

@@ -183,6 +183,7 @@ def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
             frequency_penalty=1.0,
             prompt=[1, 2],
             output=[int(logits[i].argmax())],
+            logprobs=5 if i == 2 else None,  # one row asking computes them for every row
         )
         for i in range(5)
     ]
@@ -354,7 +355,7 @@ def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
     logits = _logits(3, 50, seed=9)
     top = logits.argmax(-1)
     rows = [
-        SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), (), [int(top[0])]),
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=1), 0, 0, (), (), [int(top[0])]),
         SamplingRow(SamplingParams(temperature=1.0), 5, 0, (), (), [int(top[1]), 3]),
         _row(temperature=0.0),
     ]
@@ -365,3 +366,13 @@ def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
     assert out.top_ids[0, 0] == top[0]  # logprobs stay those of the raw logits
     with pytest.raises(ValueError, match="bans 2 ids"):
         make_sampling_metadata(rows, 4, 0, 1)
+
+
+def test_no_logprobs_requested_skips_them_without_changing_tokens() -> None:
+    logits = _logits(4, 40, seed=2)
+    rows = [_row(seed=i, temperature=0.9) for i in range(4)]
+    plain = sample_jit(logits, make_sampling_metadata(rows, 4, 0))
+    rows[1] = _row(seed=1, temperature=0.9, logprobs=2)
+    asked = sample_jit(logits, make_sampling_metadata(rows, 4, 0))
+    np.testing.assert_array_equal(np.asarray(plain.token_ids), np.asarray(asked.token_ids))
+    assert not np.asarray(plain.top_logprobs).any() and np.asarray(asked.top_logprobs).all()
