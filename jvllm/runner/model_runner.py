@@ -54,6 +54,12 @@ class StepResult:
     all_logprobs: list[np.ndarray] | None  # per row [n, V] log_softmax of every new token
 
 
+def split_by_row(per_token: np.ndarray, rows: Sequence[StepRow]) -> list[np.ndarray]:
+    """Cuts a `[T, ...]` per-token array into each row's `[n, ...]` slice."""
+    bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
+    return [per_token[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
 def decode_first(rows: Sequence[StepRow]) -> list[int]:
     """A stable order of row indices with the one-token (decode) rows first."""
     return sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
@@ -180,8 +186,7 @@ class ModelRunner:
         all_logprobs = None
         if want_all_logprobs:
             every = np.asarray(self._all_logprobs_fn(self.model.params, hidden))
-            bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
-            all_logprobs = [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            all_logprobs = split_by_row(every, rows)
         out = jax.device_get(out)  # the one sync per step: the scheduler needs the tokens
         back = np.argsort(order)  # caller's row order
         if all_logprobs is not None:
@@ -206,8 +211,7 @@ class ModelRunner:
         every = np.asarray(
             module.apply({"params": self.model.params}, hidden, method=module.logits)
         )
-        bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
-        return [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return split_by_row(every, rows)
 
     def warm_up(self) -> None:
         """Compiles every program serving can need (penalised sampling aside)."""
