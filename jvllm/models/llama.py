@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
 from jvllm.models.spec import ModelSpec
-from jvllm.parallel.mesh import CACHE, HEADS
+from jvllm.parallel.mesh import AXIS, CACHE, HEADS
 
 _init = nn.initializers.normal(0.02)
 
@@ -153,7 +153,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embed(
             s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        self.layers = [DecoderLayer(s, self.dtype, self.backend) for _ in range(s.num_layers)]
+        self.layers = [
+            DecoderLayer(s, self.dtype, self.backend, self.mesh) for _ in range(s.num_layers)
+        ]
         self.norm = RMSNorm(s.rms_norm_eps, self.dtype)
         self.inv_freq = inverse_frequencies(s.rope, s.head_dim)
 
@@ -187,7 +189,7 @@ class CausalLM(nn.Module):
     def setup(self) -> None:
         self.model = DecoderModel(self.spec, self.dtype, self.backend, self.mesh)
         if not self.spec.tie_word_embeddings:
-            self.lm_head = Linear(self.spec.vocab_size, False, self.dtype)
+            self.lm_head = LMHead(self.spec.vocab_size, self.dtype, self.mesh)
 
     def __call__(
         self,
@@ -201,11 +203,37 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
         if self.spec.tie_word_embeddings:
-            w = self.model.embedding()
-            logits = jnp.einsum("rh,vh->rv", hidden, w, preferred_element_type=jnp.float32)
-        else:
-            logits = self.lm_head(hidden).astype(jnp.float32)
-        if self.mesh is not None:
-            # Gather vocab-parallel logits once here, not inside every sampler op.
-            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
-        return logits
+            return vocab_projection(hidden, self.model.embedding(), self.mesh)
+        return self.lm_head(hidden)
+
+
+class LMHead(nn.Module):
+    """`lm_head.weight` `[V, H]`, vocab-parallel on a mesh when V divides."""
+
+    vocab_size: int
+    dtype: jnp.dtype
+    mesh: Mesh | None = None
+
+    @nn.compact
+    def __call__(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
+        w = self.param("weight", _init, (self.vocab_size, hidden.shape[-1]), self.dtype)
+        return vocab_projection(hidden, w, self.mesh)
+
+
+def vocab_projection(hidden: jax.Array, weight: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """`hidden [R, H] @ weight [V, H].T` in float32; on a mesh, replicated logits."""
+    project = functools.partial(jnp.einsum, "rh,vh->rv", preferred_element_type=jnp.float32)
+    if mesh is None:
+        return project(hidden, weight)
+    if weight.shape[0] % mesh.shape[AXIS] == 0:
+        # Each device scores its slice of the vocabulary, so only the [R, V] logits cross
+        # devices, never the [V, H] weight (which sharding propagation would gather).
+        project = jax.shard_map(
+            project,
+            mesh=mesh,
+            in_specs=(P(), P(AXIS, None)),
+            out_specs=P(None, AXIS),
+            check_vma=False,
+        )
+    # Gather the logits once here, not inside every sampler op.
+    return jax.lax.with_sharding_constraint(project(hidden, weight), NamedSharding(mesh, P()))

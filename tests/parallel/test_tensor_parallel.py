@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from jvllm import LLM, SamplingParams
 from jvllm.models.loader import load_model
 from jvllm.parallel.mesh import make_mesh
+from jvllm.runner.input_batch import pack_rows
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.testing import make_checkpoint
 from tests.models.test_forward import Row, assert_close, random_ids
@@ -88,3 +91,27 @@ def test_indivisible_sizes_rejected(checkpoints):
 def test_too_few_devices(checkpoints):
     with pytest.raises(ValueError, match="needs 16 devices"):
         LLM(str(checkpoints["llama"]), tensor_parallel_size=16, **ENGINE)
+
+
+def _compiled_forward(path, tp: int) -> tuple[str, str, ModelRunner]:
+    """The TP forward of the smallest bucket: lowered StableHLO and compiled HLO text."""
+    mesh = make_mesh(tp)
+    loaded = load_model(path, mesh=mesh)
+    runner = ModelRunner(loaded, 16, 16, 256, 8, 64, mesh)
+    shape = runner.batch_shape(16)
+    packed = runner._put(pack_rows([], shape, runner.block_size))
+    lowered = runner._forward_fn.lower(loaded.params, runner.caches, packed, shape=shape)
+    return lowered.as_text(), lowered.compile().as_text(), runner
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied lm_head
+def test_attention_and_lm_head_run_per_device(checkpoints, arch):
+    """Each layer's attention and the vocab projection are shard_map bodies, and no
+    collective moves a weight or a KV cache: only the [S, V] logits are gathered."""
+    lowered, compiled, runner = _compiled_forward(checkpoints[arch], 2)
+    spec = runner.spec
+    assert lowered.count("sdy.manual_computation") == spec.num_layers + 1
+    gathered = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather\(", compiled)
+    shape = runner.batch_shape(16)
+    assert gathered == [("f32", f"{shape.num_seqs},{spec.vocab_size}")], gathered
+    assert "all-to-all" not in compiled and "collective-permute" not in compiled
