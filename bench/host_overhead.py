@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.request import Request
 from jvllm.engine.scheduler import Scheduler
 from jvllm.layers.sampler import make_sampling_metadata
-from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, pow2_buckets
+from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET, StepResult
 from jvllm.sampling_params import SamplingParams, SamplingRow
 
@@ -75,7 +75,7 @@ class Setup:
         self.num_blocks = max(num_seqs * per_seq, one_full_seq) + 1
         self.cache_config = CacheConfig(args.block_size, num_gpu_blocks_override=self.num_blocks)
         # The runner's bucketing (ModelRunner.batch_shape), without building a model.
-        self.buckets = pow2_buckets(MIN_TOKEN_BUCKET, batched)
+        self.buckets = token_buckets(batched, MIN_TOKEN_BUCKET)
         self.width = math.ceil(args.max_model_len / args.block_size)
         rng = np.random.default_rng(args.seed)
         low = len(common.SPECIAL_TOKENS)
@@ -134,7 +134,9 @@ class NoDeviceRunner:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pass
 
-    def execute(self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False) -> Any:
+    def dispatch(
+        self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False
+    ) -> Any:
         shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
         pack_rows(rows, shape, self.setup.args.block_size)
         make_sampling_metadata(sampling_rows, shape.num_seqs, 0)
@@ -142,7 +144,16 @@ class NoDeviceRunner:
         self.calls += 1
         tokens = np.array(self.setup.sampled[start : start + n], np.int32)
         zeros = np.zeros((n, 1), np.float32)
-        return StepResult(tokens, zeros[:, 0], zeros.astype(np.int32), zeros, None)
+        return _Done(StepResult(tokens, zeros[:, 0], zeros.astype(np.int32), zeros, None))
+
+
+class _Done(NamedTuple):
+    """A dispatched step that is already complete (there is no device to wait for)."""
+
+    step: StepResult
+
+    def result(self) -> StepResult:
+        return self.step
 
 
 def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:

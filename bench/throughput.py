@@ -164,7 +164,8 @@ def _announce(preset: Preset, workload: dict[str, Any]) -> None:
 
 
 class StepProbe:
-    """Stands in for the engine's runner: times each `execute` and records its rows.
+    """Stands in for the engine's runner: times each `dispatch` (host preparation and
+    the enqueue of the step) and the wait in its `result()`, and records its rows.
 
     While `probing()` is active it also times the runner's two host-side input builders,
     `pack_rows` and `make_sampling_metadata`, by wrapping them (this process only).
@@ -178,9 +179,11 @@ class StepProbe:
     def __getattr__(self, name: str) -> Any:  # num_compilations, copy_blocks, batch_shape...
         return getattr(self.runner, name)
 
-    def execute(self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False) -> Any:
+    def dispatch(
+        self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False
+    ) -> Any:
         t0 = time.perf_counter()
-        out = self.runner.execute(rows, sampling_rows, want)
+        pending = _TimedPending(self.runner.dispatch(rows, sampling_rows, want), self)
         tokens = sum(len(r.token_ids) for r in rows)
         self.step.update(
             execute_s=time.perf_counter() - t0,
@@ -193,7 +196,7 @@ class StepProbe:
             ),
             kv_tokens=sum(r.start_position + len(r.token_ids) for r in rows),
         )
-        return out
+        return pending
 
     @contextlib.contextmanager
     def probing(self) -> Iterator[None]:
@@ -217,6 +220,21 @@ class StepProbe:
                 self.step[key] = self.step.get(key, 0.0) + time.perf_counter() - t0
 
         return timed
+
+
+class _TimedPending:
+    """A dispatched step whose `result()` wait is added to the probe's current step
+    (with async scheduling that is the step after the one that dispatched it)."""
+
+    def __init__(self, pending: Any, probe: StepProbe) -> None:
+        self.pending, self.probe = pending, probe
+
+    def result(self) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.pending.result()
+        finally:
+            self.probe.step["wait_s"] = time.perf_counter() - t0
 
 
 def run_engine(engine: Any, requests: list[BenchRequest], flops: FlopModel) -> dict[str, Any]:
@@ -279,7 +297,7 @@ def _summarise_steps(steps: list[dict[str, Any]], flops: FlopModel) -> dict[str,
 
     util = [s["live"] / s["allocated"] for s in steps if s["allocated"]]
     decode = [s for s in steps if s.get("decode")]
-    step_s, execute_s = total("wall_s"), total("execute_s")
+    step_s, execute_s, wait_s = total("wall_s"), total("execute_s"), total("wait_s")
     host_prep = total("pack_rows_s") + total("sampling_metadata_s")
     decode_s = total("wall_s", decode)
     decode_bytes = len(decode) * flops.weight_bytes + total("kv_tokens", decode) * (
@@ -296,13 +314,16 @@ def _summarise_steps(steps: list[dict[str, Any]], flops: FlopModel) -> dict[str,
             bucket=[s.get("bucket", 0) for s in steps],
             wall_ms=[round(1e3 * s["wall_s"], 3) for s in steps],
         ),
+        # execute_s: dispatching steps (input preparation and enqueueing); wait_s: the
+        # host waiting for a step's outputs; the rest of step_s is the engine's own work.
         time_split=dict(
             step_s=step_s,
             execute_s=execute_s,
+            wait_s=wait_s,
             pack_rows_s=total("pack_rows_s"),
             sampling_metadata_s=total("sampling_metadata_s"),
-            device_and_sync_s=execute_s - host_prep,
-            engine_host_s=step_s - execute_s,
+            device_and_sync_s=execute_s - host_prep + wait_s,
+            engine_host_s=step_s - execute_s - wait_s,
         ),
         padding=dict(
             real_tokens=int(total("tokens")),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
-ATTENTION_BACKENDS = ("auto", "triton", "reference")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     scheduling_policy: str = "continuous"
+    # Schedule step N + 1 while step N runs (vLLM's async scheduling); False waits for
+    # each step before scheduling the next.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

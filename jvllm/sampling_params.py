@@ -126,3 +126,6 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     # Tokens that may not be sampled this step (EOS and stop ids before min_tokens).
     banned_token_ids: Sequence[int] = ()
+    # The latest output token is still on the device (not in output_token_ids): it is
+    # the row's input token, and the sampler adds it to the penalty history there.
+    pending_output: bool = False

@@ -119,7 +119,7 @@ class KVCacheManager:
             assert not table and request.num_computed_tokens == 0, request
             prefix, start = cached_prefix, cached_prefix.num_tokens
         end = start + num_new_tokens
-        assert end <= request.num_tokens, (request, num_new_tokens)
+        assert end <= request.num_tokens_with_placeholders, (request, num_new_tokens)
         num_held = len(table) + len(prefix.block_ids)
         num_new_blocks = max(0, cdiv(max(end, num_reserved_tokens), self.block_size) - num_held)
         shared = self._shared_blocks_in(table, start, end)
@@ -178,6 +178,13 @@ class KVCacheManager:
             written.add(dst)
         return copies
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's computed full blocks whose tokens have all become known
+        (a block completed by a token that was still on the device when it was allocated)."""
+        table = self._block_tables.get(request.request_id)
+        if self.enable_prefix_caching and table:
+            self._register_full_blocks(request, table, request.num_computed_tokens)
+
     def _fits_privately(self, table: list[int], start: int, num_new: int) -> bool:
         """Whether positions [start, start + num_new) all lie in the table's last block,
         which no one else holds (so neither allocation nor copy-on-write is needed)."""
@@ -208,9 +215,10 @@ class KVCacheManager:
 
         Registering at allocation is safe: the step's forward writes all its K/V before
         any attention reads them, so a request admitted later in this step may hit them.
+        Blocks holding a token still on the device wait for `cache_full_blocks`.
         """
         content_ids = self._content_ids.setdefault(request.request_id, [])
-        for index in range(len(content_ids), end // self.block_size):
+        for index in range(len(content_ids), min(end, request.num_tokens) // self.block_size):
             parent = content_ids[-1] if content_ids else ROOT_CONTENT_ID
             tokens = tuple(self._block_tokens(request, index))
             block_hash = self._block_hash(request, index)

@@ -5,6 +5,12 @@ stop checks (EOS, stop token ids, stop strings, max_tokens, max_model_len),
 incremental detokenization, logprob bookkeeping and metrics. Scheduling belongs
 to `Scheduler`; all device work to the runner it is given (`StepRunner`), so this
 module stays host-only and never imports jax.
+
+With `async_scheduling` (the default) the host never sits between device steps: each
+`step()` schedules and dispatches step N + 1, then waits for step N and commits it,
+so scheduling, packing and detokenization overlap the device's work. Stop checks trail
+by one step; a row dispatched for a request that has since finished is dropped
+unseen, so no extra token is ever emitted.
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jvllm.config import EngineConfig
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.scheduler import ScheduledRequest, Scheduler
+from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams, SamplingRow
@@ -29,12 +36,23 @@ class StepRunner(Protocol):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
-    def execute(
+    def dispatch(
         self,
         rows: Sequence[ScheduledRequest],
         sampling_rows: Sequence[SamplingRow],
         want_all_logprobs: bool = False,
-    ) -> Any: ...
+    ) -> Any:
+        """Queues the step; the returned handle's `result()` waits for it."""
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A dispatched step, with what committing it needs."""
+
+    sched: SchedulerOutput
+    states: list[SequenceState]
+    want_prompt: list[bool]
+    pending: Any  # the runner's handle; result() -> StepResult
 
 
 class LLMEngine:
@@ -58,6 +76,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._seqs: dict[str, SequenceState] = {}  # child request id -> its state
         self._finished_outputs: list[RequestOutput] = []  # aborted before their next step
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -150,43 +170,59 @@ class LLMEngine:
     # -- one step --
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedules, runs one device step, and returns the outputs of every request
+        """Schedules and dispatches one device step, commits the step before it (or,
+        without async scheduling, this one), and returns the outputs of every request
         that progressed (cumulative, like vLLM's default output kind), or with
         `final_only` just those that finished (offline use: no per-step copies)."""
         outputs, self._finished_outputs = self._finished_outputs, []
         sched = self.scheduler.schedule()
         if sched.blocks_to_copy:
             self.runner.copy_blocks(sched.blocks_to_copy)
-        if not sched.scheduled:
+        launched = self._launch(sched) if sched.scheduled else None
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs += self._commit(previous, final_only)
+        if launched is None:
             self.scheduler.update_from_output(sched, {})
-            return outputs
-        states = [self._seqs[row.request_id] for row in sched.scheduled]
+        elif not self.async_scheduling:
+            self._in_flight = None
+            outputs += self._commit(launched, final_only)
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+        rows = sched.scheduled
+        states = [self._seqs[row.request_id] for row in rows]
         sampling_rows = [
-            s.sampling_row(self.eos_token_ids) if row.samples else _IDLE_ROW
-            for s, row in zip(states, sched.scheduled, strict=True)
+            s.sampling_row(self.eos_token_ids, row) if row.samples else _IDLE_ROW
+            for s, row in zip(states, rows, strict=True)
         ]
-        want_prompt = [
-            s.wants_prompt_logprobs(row) for s, row in zip(states, sched.scheduled, strict=True)
-        ]
-        result = self.runner.execute(sched.scheduled, sampling_rows, any(want_prompt))
+        want_prompt = [s.wants_prompt_logprobs(row) for s, row in zip(states, rows, strict=True)]
+        pending = self.runner.dispatch(rows, sampling_rows, any(want_prompt))
+        return _InFlight(sched, states, want_prompt, pending)
+
+    def _commit(self, flight: _InFlight, final_only: bool) -> list[RequestOutput]:
+        """Waits for a dispatched step and applies its tokens: stop checks, text, outputs."""
+        result = flight.pending.result()
+        rows = flight.sched.scheduled
         sampled = {
-            row.request_id: int(result.token_ids[i])
-            for i, row in enumerate(sched.scheduled)
-            if row.samples
+            row.request_id: int(result.token_ids[i]) for i, row in enumerate(rows) if row.samples
         }
-        self.scheduler.update_from_output(sched, sampled)
+        self.scheduler.update_from_output(flight.sched, sampled)
         touched: dict[str, SequenceGroup] = {}
-        for i, (state, row) in enumerate(zip(states, sched.scheduled, strict=True)):
-            if want_prompt[i]:
+        for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
+            if state.finished:
+                continue  # stopped or aborted after this step was dispatched
+            if flight.want_prompt[i]:
                 state.add_prompt_logprobs(row, result.all_logprobs[i])
             if row.samples:
                 self.generation_tokens += 1
                 state.add_token(result, i)
                 self._check_stop(state)
             touched[state.group_id] = self._groups[state.group_id]
+        outputs = []
         for group in touched.values():
             if group.finished:
                 outputs.append(self._retire(group))

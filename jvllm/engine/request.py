@@ -59,8 +59,12 @@ class Request:
         self.fork_source = fork_source
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
-        # Tokens whose K/V are in the cache; reset to 0 when preempted (recompute).
+        # Tokens whose K/V are in the cache or being written by a dispatched step; reset
+        # to 0 when preempted (recompute).
         self.num_computed_tokens = 0
+        # Tokens sampled by dispatched steps whose ids the host does not know yet
+        # (overlapped scheduling): they follow output_token_ids.
+        self.num_output_placeholders = 0
         # Prefix-cache hit tokens at the first admission; -1 until admitted.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -72,6 +76,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_outputs_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,8 +6,13 @@ preemption by recompute, the admission of n > 1 siblings by forking their source
 blocks, and the "static" policy used as a baseline. Block accounting is delegated to the
 KV cache manager; stop conditions, detokenization and outputs belong to the LLM engine.
 
-Protocol: `schedule()`, run the step, then `update_from_output()` before the next
-`schedule()`. The engine checks stop conditions and calls `finish_request()` itself.
+Protocol: `schedule()`, dispatch the step, `update_from_output()` once its sampled
+tokens are known. Overlapped (async) scheduling calls `schedule()` once more before
+committing the previous step, so at most two steps are outstanding: a request whose
+last token is still on the device holds an output placeholder, and its next row (one
+decode token) names the row of the previous step whose sampled token it feeds back
+(`prev_step_row`), resolved on the device. `num_computed_tokens` advances when a step
+is scheduled. The engine checks stop conditions and calls `finish_request()` itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.engine.request import Request, RequestStatus
 
+# The token id a row carries where the device substitutes the previous step's sample.
+PLACEHOLDER_TOKEN = 0
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -30,10 +38,14 @@ class ScheduledRequest:
     start_position: int  # num_computed_tokens before the step: the position of token_ids[0]
     block_table: list[int]  # covers at least start_position + len(token_ids) positions
     samples: bool  # every known token is computed after this step, so one is sampled
+    # Set when the row's one token is the one the previous step's row of this index
+    # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
+    prev_step_row: int | None = None
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    step_id: int  # consecutive; update_from_output() commits steps in this order
     scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
     blocks_to_copy: list[tuple[int, int]]  # (src, dst), applied before this step's forward
     preempted_request_ids: list[str]
@@ -49,7 +61,7 @@ class SchedulerStats(NamedTuple):
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
-    num_live_tokens: int  # running requests' computed + in-flight tokens
+    num_live_tokens: int  # running requests' computed tokens, dispatched steps included
     num_allocated_slots: int  # held blocks * block_size
 
 
@@ -59,6 +71,8 @@ class _Step:
 
     budget: int
     rows: list[ScheduledRequest] = field(default_factory=list)
+    # Request id -> its computed tokens before this step (its row's start position).
+    starts: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
 
 
@@ -84,7 +98,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request
-        self._in_flight: dict[str, int] = {}  # tokens scheduled but not yet committed
+        self._pending_steps: deque[int] = deque()  # step ids scheduled, not yet committed
+        self._next_step_id = 0
+        # Request id -> its row in the latest step, for rows that sample.
+        self._sampling_rows: dict[str, int] = {}
         self._num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -103,31 +120,40 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        assert not self._in_flight, "update_from_output() must follow every schedule()"
+        assert len(self._pending_steps) <= 1, "commit the step before the last one first"
         step = _Step(budget=self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(step)
         # A step that had to preempt has no blocks to spare for newcomers.
         if not step.preempted_ids and not (self.is_static and self.running):
             self._schedule_waiting(step)
-        self._in_flight = {row.request_id: len(row.token_ids) for row in step.rows}
+        self._sampling_rows = {row.request_id: i for i, row in enumerate(step.rows) if row.samples}
+        step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
+        self._pending_steps.append(step_id)
         return SchedulerOutput(
+            step_id=step_id,
             scheduled=step.rows,
             blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
             preempted_request_ids=step.preempted_ids,
-            num_scheduled_tokens=sum(self._in_flight.values()),
+            num_scheduled_tokens=sum(len(row.token_ids) for row in step.rows),
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Commit a step: advance computed tokens and append the sampled ones."""
+        """Commit a step: the sampled tokens replace their placeholders.
+
+        A request preempted since the step was scheduled keeps its token (the step did
+        compute it); one finished since then is gone and its row is ignored.
+        """
+        assert self._pending_steps.popleft() == output.step_id, "steps commit in order"
+        kv = self.kv_cache_manager
         for row in output.scheduled:
             request = self._requests.get(row.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (or preempted) since it was scheduled
-            assert request.num_computed_tokens == row.start_position, (request, row)
-            request.num_computed_tokens += len(row.token_ids)
-            if row.samples:
-                request.output_token_ids.append(sampled[row.request_id])
-        self._in_flight.clear()
+            if request is None or not row.samples:
+                continue
+            assert request.num_output_placeholders > 0, (request, row)
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(sampled[row.request_id])
+            if request.status is RequestStatus.RUNNING:
+                kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish a waiting, running or preempted request and free its blocks now.
@@ -143,7 +169,6 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request_id)
-        self._in_flight.pop(request_id, None)
         request.status = status
 
     def has_unfinished_requests(self) -> bool:
@@ -156,9 +181,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         pool = kv.block_pool
-        live = sum(
-            r.num_computed_tokens + self._in_flight.get(r.request_id, 0) for r in self.running
-        )
+        live = sum(r.num_computed_tokens for r in self.running)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -176,7 +199,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if self._reaches_length_limit(request):
+                index += 1  # finishes when its last placeholder is committed
+                continue
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
+            )
             assert num_new > 0, f"{request} has nothing to compute"
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 # Preempt the most recently admitted request that is not scheduled yet:
@@ -189,13 +217,24 @@ class Scheduler:
             self._add_row(step, request, num_new)
             index += 1
 
+    def _reaches_length_limit(self, request: Request) -> bool:
+        """Whether the tokens already sampled (some still on the device) end the request
+        by length, so scheduling it again would only compute a token to throw away."""
+        if not request.num_output_placeholders:
+            return False  # every token is known: the engine has checked it
+        max_tokens = request.sampling_params.max_tokens
+        max_model_len = self.scheduler_config.max_model_len
+        return request.num_tokens_with_placeholders >= max_model_len or (
+            max_tokens is not None and request.num_outputs_with_placeholders >= max_tokens
+        )
+
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in FIFO order while budget, sequences and blocks allow."""
         skipped: list[Request] = []
         max_num_seqs = self.scheduler_config.max_num_seqs
         while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.popleft()
-            if self._must_wait_for_source(request):
+            if request.num_output_placeholders or self._must_wait_for_source(request, step):
                 skipped.append(request)  # does not hold up the requests behind it
                 continue
             if not self._admit(request, step):
@@ -203,8 +242,9 @@ class Scheduler:
                 break
         self.waiting.extendleft(reversed(skipped))
 
-    def _must_wait_for_source(self, request: Request) -> bool:
-        """Whether a fork child waits for its source to compute the shared prompt."""
+    def _must_wait_for_source(self, request: Request, step: _Step) -> bool:
+        """Whether a fork child waits for its source to compute the shared prompt; before
+        this step, since copy-on-write copies run before the step's forward."""
         if request.fork_source is None:
             return False
         source = self._requests.get(request.fork_source)
@@ -212,9 +252,9 @@ class Scheduler:
             request.fork_source = None  # nothing to share: prefill like any request
             return False
         assert source.prompt_token_ids == request.prompt_token_ids, (source, request)
-        return (
-            source.status is not RequestStatus.RUNNING
-            or source.num_computed_tokens < request.num_prompt_tokens - 1
+        computed = step.starts.get(source.request_id, source.num_computed_tokens)
+        return source.status is not RequestStatus.RUNNING or (
+            computed < request.num_prompt_tokens - 1
         )
 
     def _admit(self, request: Request, step: _Step) -> bool:
@@ -257,16 +297,31 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _add_row(self, step: _Step, request: Request, num_new: int) -> None:
+        """Schedules positions [computed, computed + num_new) and advances the request."""
         start = request.num_computed_tokens
         end = start + num_new
         assert end <= self.scheduler_config.max_model_len, (request, num_new)
+        prev_step_row = None
+        if end > request.num_tokens:
+            # The one token of this row is still on the device: the previous step sampled it.
+            assert num_new == 1 and request.num_output_placeholders == 1, request
+            token_ids = [PLACEHOLDER_TOKEN]
+            prev_step_row = self._sampling_rows[request.request_id]
+        else:
+            token_ids = request.get_token_ids(start, end)
+        samples = end == request.num_tokens_with_placeholders
         step.rows.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.get_token_ids(start, end),
+                token_ids=token_ids,
                 start_position=start,
                 block_table=self.kv_cache_manager.get_block_table(request.request_id),
-                samples=end == request.num_tokens,
+                samples=samples,
+                prev_step_row=prev_step_row,
             )
         )
+        step.starts[request.request_id] = start
         step.budget -= num_new
+        request.num_computed_tokens = end
+        if samples:
+            request.num_output_placeholders += 1

@@ -54,10 +54,13 @@ class SequenceState:
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
 
-    def sampling_row(self, eos_token_ids: frozenset[int]) -> SamplingRow:
+    def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
+        """The sampler's view of this sequence for a scheduled row that samples."""
         r, params = self.request, self.request.sampling_params
+        # Tokens sampled before this row's (its own placeholder is already counted).
+        step_index = r.num_outputs_with_placeholders - 1
         banned: list[int] = []
-        if len(r.output_token_ids) < params.min_tokens:
+        if step_index < params.min_tokens:
             # As vLLM: until min_tokens, neither a stop token nor EOS can be chosen.
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
@@ -65,10 +68,11 @@ class SequenceState:
         return SamplingRow(
             params,
             self.seed,
-            len(r.output_token_ids),
+            step_index,
             r.prompt_token_ids,
             r.output_token_ids,
             banned,
+            pending_output=row.prev_step_row is not None,
         )
 
     def add_token(self, result: Any, row: int) -> None:

@@ -50,6 +50,9 @@ class SamplingMetadata:
     penalty_is_output: Array  # bool[S, P]; True where the id is an output token
     banned_token_ids: Array  # i32[S, B]; ids that may not be chosen, -1 = padding
     want_logprobs: Array  # bool[S]; the row's request asked for logprobs
+    # bool[S]; the row's last input token is an output the host has not seen yet (it is
+    # still on the device): penalties count it on top of penalty_token_ids.
+    pending_output: Array
 
 
 class SamplerOutput(NamedTuple):
@@ -59,14 +62,19 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[S, K]
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def sample(
+    logits: jax.Array, md: SamplingMetadata, last_input: jax.Array | None = None
+) -> SamplerOutput:
     """Choose one token per row; jit-compatible, no branching on parameter values.
 
+    `last_input` `[S]` is each row's last input token (needed where `pending_output`).
     Row i's token depends only on logits[i] and row i's parameters, seed and step index,
     never on the other rows or on how many padding rows the batch carries.
     """
     logits = logits.astype(jnp.float32)  # [S, V]
-    penalised = _ban(apply_penalties(logits, md), md.banned_token_ids)  # [S, V]
+    if last_input is None:
+        last_input = jnp.zeros(logits.shape[0], jnp.int32)
+    penalised = _ban(apply_penalties(logits, md, last_input), md.banned_token_ids)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)  # [S]
 
@@ -93,7 +101,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 
-def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def apply_penalties(logits: jax.Array, md: SamplingMetadata, last_input: jax.Array) -> jax.Array:
     """Repetition (prompt + output), then frequency and presence (output only)."""
     if md.penalty_token_ids.shape[-1] == 0:  # static: no row in this bucket has penalties
         return logits
@@ -102,7 +110,11 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
         | (md.frequency_penalty != 0.0)
         | (md.presence_penalty != 0.0)
     )
-    return lax.cond(active, _penalise, lambda lg, _: lg, logits, md)
+    # The output token still on the device joins the history as one more entry.
+    pending = jnp.where(md.pending_output, last_input, -1)[:, None]  # [S, 1]
+    ids = jnp.concatenate([md.penalty_token_ids, pending], axis=1)  # [S, P + 1]
+    is_output = jnp.concatenate([md.penalty_is_output, md.pending_output[:, None]], axis=1)
+    return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, ids, is_output)
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
@@ -115,13 +127,16 @@ def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
-def _penalise(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def _penalise(
+    logits: jax.Array, md: SamplingMetadata, token_ids: jax.Array, is_output: jax.Array
+) -> jax.Array:
+    """token_ids `[S, P]`: each row's history, -1 = padding; is_output marks outputs."""
     num_rows, vocab = logits.shape
-    valid = md.penalty_token_ids >= 0  # [S, P]
+    valid = token_ids >= 0  # [S, P]
     # Padding goes to index V, which mode="drop" discards (-1 would wrap to V - 1).
-    ids = jnp.where(valid, md.penalty_token_ids, vocab)  # [S, P]
+    ids = jnp.where(valid, token_ids, vocab)  # [S, P]
     rows = jnp.arange(num_rows)[:, None]  # [S, 1]
-    counted = (valid & md.penalty_is_output).astype(jnp.float32)  # [S, P]
+    counted = (valid & is_output).astype(jnp.float32)  # [S, P]
     output_counts = jnp.zeros_like(logits).at[rows, ids].add(counted, mode="drop")  # [S, V]
     seen = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")  # [S, V]
     rep = md.repetition_penalty[:, None]  # [S, 1]
@@ -229,6 +244,7 @@ def make_sampling_metadata(
         penalty_is_output=np.zeros((num_rows, penalty_width), bool),
         banned_token_ids=np.full((num_rows, banned_width), -1, np.int32),
         want_logprobs=np.zeros(num_rows, bool),
+        pending_output=np.zeros(num_rows, bool),
     )
     _fill_scalars(md, rows)
     for i, row in enumerate(rows):
@@ -259,6 +275,7 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     md.seeds[:n] = seeds
     md.step_index[:n] = steps
     md.want_logprobs[:n] = [p.logprobs is not None for p in params]
+    md.pending_output[:n] = [r.pending_output for r in rows]
 
 
 def _fill_row_lists(md: SamplingMetadata, i: int, row: SamplingRow) -> None:

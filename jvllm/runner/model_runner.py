@@ -7,9 +7,15 @@ host sync between them (the logits never leave the device), so sampling options
 that change the sampler's shapes (penalty history width) never recompile the
 model. The KV cache is donated to every call and so updated in place.
 
-Static shapes: T (tokens) is padded to a power of two from 16 up to
-`max_num_batched_tokens`; S (rows) to `min(T, max_num_seqs)`, so one forward
-program exists per T bucket. `num_compilations` counts every trace.
+`dispatch()` returns at once with a `PendingStep`; its `result()` is the one sync.
+The sampled tokens of the latest step also stay on the device (`last_sampled`,
+padded to the largest row bucket), where the next step's placeholder tokens read
+them, so the host can prepare step N + 1 while step N runs.
+
+Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (steps
+of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
+to `min(T, max_num_seqs)`, so one forward program exists per T bucket.
+`num_compilations` counts every trace.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from jvllm.runner.input_batch import (
     pack_rows,
     pick_bucket,
     pow2_buckets,
+    token_buckets,
     unpack,
 )
 from jvllm.sampling_params import SamplingParams
@@ -54,15 +61,30 @@ class StepResult:
     all_logprobs: list[np.ndarray] | None  # per row [n, V] log_softmax of every new token
 
 
-def split_by_row(per_token: np.ndarray, rows: Sequence[StepRow]) -> list[np.ndarray]:
+def split_by_row(per_token: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
     """Cuts a `[T, ...]` per-token array into each row's `[n, ...]` slice."""
-    bounds = np.cumsum([0] + [len(r.token_ids) for r in rows])
+    bounds = np.cumsum([0, *lengths])
     return [per_token[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def decode_first(rows: Sequence[StepRow]) -> list[int]:
-    """A stable order of row indices with the one-token (decode) rows first."""
-    return sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
+@dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose outputs are still device arrays."""
+
+    out: sampler.SamplerOutput  # [S]-padded device arrays
+    all_logprobs: jax.Array | None  # [T, V] when prompt logprobs were asked for
+    row_lengths: tuple[int, ...]  # new tokens per real row
+
+    def result(self) -> StepResult:
+        """Waits for the step and brings its outputs to the host (the one sync)."""
+        out = jax.device_get(self.out)
+        n = len(self.row_lengths)
+        every = None
+        if self.all_logprobs is not None:
+            every = split_by_row(np.asarray(self.all_logprobs), self.row_lengths)
+        return StepResult(
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], every
+        )
 
 
 class ModelRunner:
@@ -83,10 +105,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.width = math.ceil(max_model_len / block_size)
-        self.token_buckets = pow2_buckets(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+        self.token_buckets = token_buckets(max_num_batched_tokens, MIN_TOKEN_BUCKET)
         self.penalty_buckets = pow2_buckets(MIN_PENALTY_BUCKET, max(max_model_len, 64))
         self.num_compilations = 0
+        self.max_rows = min(self.token_buckets[-1], max_num_seqs)  # the largest row bucket
         self.caches = self._allocate_cache(num_blocks)
+        self.last_sampled = self._put(np.zeros(self.max_rows, np.int32))  # [R] on device
         self._forward_fn = jax.jit(
             self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
@@ -97,21 +121,32 @@ class ModelRunner:
     # -- device programs (each body runs only while tracing, hence the counters) --
 
     def _forward(
-        self, params: Any, caches: list[KVCache], packed: jax.Array, shape: BatchShape
-    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        self,
+        params: Any,
+        caches: list[KVCache],
+        packed: jax.Array,
+        last_sampled: jax.Array,
+        shape: BatchShape,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array]:
         self.num_compilations += 1
-        inp = unpack(packed, shape)
+        inp = unpack(packed, shape, last_sampled)
         module = self.model.module
         hidden, caches = module.apply(
             {"params": params}, inp.token_ids, inp.positions, caches, inp.attn
         )
         last = hidden[inp.logits_indices]  # [S, H]
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
-        return logits, hidden, caches
+        return logits, hidden, caches, inp.token_ids[inp.logits_indices]  # last inputs [S]
 
-    def _sample(self, logits: jax.Array, md: sampler.SamplingMetadata) -> sampler.SamplerOutput:
+    def _sample(
+        self, logits: jax.Array, md: sampler.SamplingMetadata, last_input: jax.Array
+    ) -> tuple[sampler.SamplerOutput, jax.Array]:
         self.num_compilations += 1
-        return sampler.sample(logits, md)
+        out = sampler.sample(logits, md, last_input)
+        padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+        if self.mesh is not None:  # placed as the forward expects it: no second program
+            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        return out, padded  # padded [R]: the next step's placeholders read it
 
     def _all_logprobs(self, params: Any, hidden: jax.Array) -> jax.Array:  # [T, V]
         self.num_compilations += 1
@@ -148,13 +183,13 @@ class ModelRunner:
 
     def _run_forward(
         self, rows: Sequence[StepRow], shape: BatchShape | None = None
-    ) -> tuple[jax.Array, jax.Array, BatchShape]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
         packed = pack_rows(rows, shape, self.block_size)
-        logits, hidden, self.caches = self._forward_fn(
-            self.model.params, self.caches, self._put(packed), shape=shape
+        logits, hidden, self.caches, last_input = self._forward_fn(
+            self.model.params, self.caches, self._put(packed), self.last_sampled, shape=shape
         )
-        return logits, hidden, shape
+        return logits, hidden, last_input, shape
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: whole-block copies, applied before the step that needs them."""
@@ -164,62 +199,55 @@ class ModelRunner:
             src, dst = self._put(np.array(chunk, np.int32).T)
             self.caches = self._copy_fn(self.caches, src, dst)
 
+    def dispatch(
+        self,
+        rows: Sequence[StepRow],
+        sampling_rows: Sequence[SamplingRow],
+        want_all_logprobs: bool = False,
+    ) -> PendingStep:
+        """Queues one engine step (forward, then sampling of every row) on the device and
+        returns without waiting for it."""
+        assert len(rows) == len(sampling_rows)
+        logits, hidden, last_input, shape = self._run_forward(rows)
+        needed = sampler.penalty_width_needed(sampling_rows)
+        width = pick_bucket(needed, self.penalty_buckets) if needed else 0
+        banned = sampler.banned_width_needed(sampling_rows)
+        banned = max(8, 1 << (banned - 1).bit_length()) if banned else 0  # power-of-two bucket
+        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
+        out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
+        every = self._all_logprobs_fn(self.model.params, hidden) if want_all_logprobs else None
+        return PendingStep(out, every, tuple(len(r.token_ids) for r in rows))
+
     def execute(
         self,
         rows: Sequence[StepRow],
         sampling_rows: Sequence[SamplingRow],
         want_all_logprobs: bool = False,
     ) -> StepResult:
-        """One engine step: forward, sample every row, bring the results to the host."""
-        assert len(rows) == len(sampling_rows)
-        # Decode rows first: the reference attention tiles a leading run of them.
-        order = decode_first(rows)
-        rows = [rows[i] for i in order]
-        sampling_rows = [sampling_rows[i] for i in order]
-        logits, hidden, shape = self._run_forward(rows)
-        needed = sampler.penalty_width_needed(sampling_rows)
-        width = pick_bucket(needed, self.penalty_buckets) if needed else 0
-        banned = sampler.banned_width_needed(sampling_rows)
-        banned = max(8, 1 << (banned - 1).bit_length()) if banned else 0  # power-of-two bucket
-        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
-        out = self._sample_fn(logits, self._put(md))
-        all_logprobs = None
-        if want_all_logprobs:
-            every = np.asarray(self._all_logprobs_fn(self.model.params, hidden))
-            all_logprobs = split_by_row(every, rows)
-        out = jax.device_get(out)  # the one sync per step: the scheduler needs the tokens
-        back = np.argsort(order)  # caller's row order
-        if all_logprobs is not None:
-            all_logprobs = [all_logprobs[i] for i in back]
-        return StepResult(
-            out.token_ids[back],
-            out.logprobs[back],
-            out.top_ids[back],
-            out.top_logprobs[back],
-            all_logprobs,
-        )
+        """One engine step, waited for: `dispatch(...).result()`."""
+        return self.dispatch(rows, sampling_rows, want_all_logprobs).result()
 
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False
     ) -> list[np.ndarray]:
         """Runs one step; each row's logits: `[V]` of its last token, or `[n, V]` of
         all its n new tokens when `every_token` (tests and scoring)."""
-        logits, hidden, _ = self._run_forward(rows)
+        logits, hidden, _, _ = self._run_forward(rows)
         if not every_token:
             return list(np.asarray(logits)[: len(rows)])
         module = self.model.module
         every = np.asarray(
             module.apply({"params": self.model.params}, hidden, method=module.logits)
         )
-        return split_by_row(every, rows)
+        return split_by_row(every, [len(r.token_ids) for r in rows])
 
     def warm_up(self) -> None:
         """Compiles every program serving can need (penalised sampling aside)."""
         greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
         for t in self.token_buckets:
             # No real rows: every token is padding and writes into the null block.
-            logits, hidden, shape = self._run_forward([], self.batch_shape(t))
+            logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
             md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
-            jax.block_until_ready(self._sample_fn(logits, self._put(md)))
+            jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden))
         self.copy_blocks([(0, 0)])

@@ -11,7 +11,7 @@ from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine import kv_cache_manager
 from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.scheduler import Scheduler, SchedulerOutput
+from jvllm.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerOutput
 from jvllm.sampling_params import SamplingParams
 
 BS = 8
@@ -280,9 +280,15 @@ class _Trace:
     The simulated cache stores, per slot, a fingerprint of the whole token prefix whose
     K/V the slot would hold, so a wrong block table, a missed copy-on-write or a wrong
     prefix hit shows up as a mismatch when a request's positions are read back.
+
+    With `overlap`, it drives the scheduler as the overlapped engine does: step N + 1 is
+    scheduled and "run" before step N is committed, so rows carry placeholders that the
+    simulated device resolves from what it sampled, and stop checks trail by a step.
     """
 
-    def __init__(self, seed: int, policy: str, prefix_caching: bool) -> None:
+    def __init__(self, seed: int, policy: str, prefix_caching: bool, overlap: bool) -> None:
+        self.overlap = overlap
+        self.pending: tuple[SchedulerOutput, dict[str, int]] | None = None
         self.rng = rng = random.Random(seed)
         self.block_size = rng.choice([8, 16])
         self.max_model_len = rng.choice([24, 40, 64, 96])
@@ -299,7 +305,8 @@ class _Trace:
         self.kv = self.scheduler.kv_cache_manager
         self.vocab = rng.choice([2, 4, 1000])  # few symbols: many equal blocks
         self.prefixes = [self._tokens(rng.randint(1, self.max_model_len)) for _ in range(3)]
-        self.tokens: dict[str, list[int]] = {}  # the engine's view: prompt + sampled
+        self.tokens: dict[str, list[int]] = {}  # the engine's view: prompt + committed
+        self.device_tokens: dict[str, list[int]] = {}  # prompt + every token sampled
         self.fingerprints: dict[str, list[int]] = {}
         self.max_outputs: dict[str, int] = {}
         self.unfinished: dict[str, Request] = {}
@@ -308,7 +315,7 @@ class _Trace:
 
     def run(self, num_groups: int) -> None:
         num_added, step, last_arrival = 0, 0, 0
-        while num_added < num_groups or self.unfinished:
+        while num_added < num_groups or self.unfinished or self.pending:
             if num_added < num_groups and self.rng.random() < 0.3:
                 self._add_group(f"r{num_added}")
                 num_added += 1
@@ -338,39 +345,57 @@ class _Trace:
         for i in range(n):
             child_id = request_id if i == 0 else f"{request_id}.{i}"
             fork_source = request_id if i > 0 else None
-            request = Request(child_id, prompt, SamplingParams(), fork_source=fork_source)
+            max_tokens = rng.randint(1, self.max_model_len)
+            params = SamplingParams(max_tokens=max_tokens)
+            request = Request(child_id, prompt, params, fork_source=fork_source)
             self.scheduler.add_request(request)
             self.unfinished[child_id] = request
             self.tokens[child_id] = list(prompt)
+            self.device_tokens[child_id] = list(prompt)
             self.fingerprints[child_id] = []
-            self.max_outputs[child_id] = rng.randint(1, self.max_model_len)
+            self.max_outputs[child_id] = max_tokens
 
     def _step(self, aborts: bool) -> None:
+        before = {
+            r.request_id: (r.num_computed_tokens, r.num_output_placeholders)
+            for r in self.unfinished.values()
+        }
         running_before = {r.request_id for r in self.scheduler.running}
         output = self.scheduler.schedule()
-        self._check_output(output, running_before)
+        self._check_output(output, running_before, before)
         self._check_blocks()
-        self._simulate_forward(output)
+        sampled = self._simulate_forward(output)
         if aborts and output.scheduled and self.rng.random() < 0.05:
             self._finish(
                 self.rng.choice(output.scheduled).request_id, RequestStatus.FINISHED_ABORTED
             )
-        sampled = {r.request_id: self.rng.randrange(self.vocab) for r in output.scheduled}
-        self.scheduler.update_from_output(output, sampled)
-        for row in output.scheduled:
-            if row.samples and row.request_id in self.unfinished:
-                self._append(row.request_id, sampled[row.request_id])
+        previous, self.pending = self.pending, (output, sampled)
+        if previous is not None:
+            self._commit(*previous)
+        if not self.overlap or not output.scheduled:  # nothing left on the device
+            self._commit(*self.pending)
+            self.pending = None
         if aborts and self.unfinished and self.rng.random() < 0.03:
             self._finish(self.rng.choice(list(self.unfinished)), RequestStatus.FINISHED_ABORTED)
         for request_id, request in self.unfinished.items():
             assert request.all_token_ids == self.tokens[request_id]
 
+    def _commit(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        self.scheduler.update_from_output(output, sampled)
+        for row in output.scheduled:
+            if row.samples and row.request_id in self.unfinished:
+                self._append(row.request_id, sampled[row.request_id])
+
     def _append(self, request_id: str, token: int) -> None:
+        """The engine's stop checks: length limits, or an EOS-like stop now and then."""
         self.tokens[request_id].append(token)
         request = self.unfinished[request_id]
-        if request.num_tokens >= self.max_model_len:
+        if (
+            request.num_tokens >= self.max_model_len
+            or len(request.output_token_ids) >= self.max_outputs[request_id]
+        ):
             self._finish(request_id, RequestStatus.FINISHED_LENGTH)
-        elif len(request.output_token_ids) >= self.max_outputs[request_id]:
+        elif self.rng.random() < 0.05:
             self._finish(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request_id: str, status: RequestStatus) -> None:
@@ -379,7 +404,9 @@ class _Trace:
         assert request.status is status
         assert self.kv.get_block_table(request_id) == []
 
-    def _check_output(self, output: SchedulerOutput, running_before: set[str]) -> None:
+    def _check_output(
+        self, output: SchedulerOutput, running_before: set[str], before: dict[str, tuple[int, int]]
+    ) -> None:
         scheduler, config = self.scheduler, self.config
         running = [r.request_id for r in scheduler.running]
         assert len(running) <= config.max_num_seqs
@@ -390,9 +417,18 @@ class _Trace:
         for row in output.scheduled:
             request = scheduler.get_request(row.request_id)
             start, end = row.start_position, row.start_position + len(row.token_ids)
-            assert start == request.num_computed_tokens and start < end <= self.max_model_len
-            assert row.token_ids == self.tokens[row.request_id][start:end]
-            assert row.samples == (end == request.num_tokens)
+            computed, placeholders = before[row.request_id]
+            assert start == computed or (computed == 0 and row.request_id not in running_before)
+            assert end == request.num_computed_tokens and start < end <= self.max_model_len
+            if row.prev_step_row is None:
+                assert row.token_ids == self.tokens[row.request_id][start:end]
+            else:  # the previous step's sample, still "on the device"
+                assert self.overlap and row.token_ids == [PLACEHOLDER_TOKEN]
+                prev_output, prev_sampled = self.pending
+                assert prev_output.scheduled[row.prev_step_row].request_id == row.request_id
+                assert end == len(self.device_tokens[row.request_id])
+            assert row.samples == (request.num_output_placeholders == placeholders + 1)
+            assert placeholders <= (1 if self.overlap else 0)
             assert row.block_table == self.kv.get_block_table(row.request_id)
             assert len(row.block_table) * self.block_size >= end
         for request_id in output.preempted_request_ids:
@@ -422,7 +458,8 @@ class _Trace:
         for request in self.scheduler.waiting:
             assert self.kv.get_block_table(request.request_id) == []
 
-    def _simulate_forward(self, output: SchedulerOutput) -> None:
+    def _simulate_forward(self, output: SchedulerOutput) -> dict[str, int]:
+        """Applies the step's copies and K/V writes; returns what each sampling row drew."""
         bs, pool = self.block_size, self.kv.block_pool
         copied = [
             [self.cache.get(src * bs + i) for i in range(bs)] for src, _ in output.blocks_to_copy
@@ -440,28 +477,34 @@ class _Trace:
                 if pool.ref_count(block) > 1:
                     assert pos // bs < end // bs and pool.cached_block(block) is not None
                 self.cache[block * bs + pos % bs] = prints[pos]
-        in_flight = {row.request_id: len(row.token_ids) for row in output.scheduled}
         for request in self.scheduler.running:
-            computed = request.num_computed_tokens + in_flight.get(request.request_id, 0)
+            computed = request.num_computed_tokens
             prints = self._fingerprints(request.request_id, computed)
             table = self.kv.get_block_table(request.request_id)
             for pos in range(computed):
                 assert self.cache.get(table[pos // bs] * bs + pos % bs) == prints[pos]
+        sampled = {}
+        for row in output.scheduled:
+            if row.samples:
+                sampled[row.request_id] = token = self.rng.randrange(self.vocab)
+                self.device_tokens[row.request_id].append(token)
+        return sampled
 
     def _fingerprints(self, request_id: str, length: int) -> list[int]:
-        prints, tokens = self.fingerprints[request_id], self.tokens[request_id]
+        prints, tokens = self.fingerprints[request_id], self.device_tokens[request_id]
         while len(prints) < length:
             prints.append(hash((prints[-1] if prints else -1, tokens[len(prints)])))
         return prints
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("caching", ["off", "on", "colliding"])
-def test_random_traces_keep_every_invariant(policy, caching, monkeypatch):
+def test_random_traces_keep_every_invariant(policy, caching, overlap, monkeypatch):
     if caching == "colliding":
         # A weak hash: most blocks collide, so only the content checks keep hits correct.
         monkeypatch.setattr(
             kv_cache_manager, "hash_block_tokens", lambda parent, tokens: (parent + sum(tokens)) % 3
         )
     for seed in range(100):
-        _Trace(seed, policy, prefix_caching=caching != "off").run(num_groups=12)
+        _Trace(seed, policy, caching != "off", overlap).run(num_groups=12)

@@ -125,7 +125,7 @@ def test_penalties_match_numpy() -> None:
     ]
     md = make_sampling_metadata(rows, num_rows=8, penalty_width=penalty_width_needed(rows))
     logits = _logits(8, vocab, seed=1)
-    got = np.asarray(penalties_jit(logits, md))
+    got = np.asarray(penalties_jit(logits, md, np.zeros(8, np.int32)))
     for i, row in enumerate(rows):
         p = row.params
         want = np_penalise(
@@ -139,6 +139,25 @@ def test_penalties_match_numpy() -> None:
         # XLA may divide by r as a multiply by 1/r: allow that one rounding, nothing more.
         np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-6, err_msg=f"row {i}")
     np.testing.assert_array_equal(got[len(rows) :], logits[len(rows) :])  # padding rows
+
+
+def test_a_pending_output_token_is_penalised_like_a_known_one() -> None:
+    """The overlapped engine's newest token is still on the device: the row's last input
+    token joins its history there, with the same result as a host-side history."""
+    known = [
+        _row(prompt=[1, 2], output=[3, 5], repetition_penalty=1.3, frequency_penalty=0.5),
+        _row(prompt=[7], output=[7, 8], presence_penalty=0.9),
+    ]
+    pending = [
+        dataclasses.replace(row, output_token_ids=row.output_token_ids[:-1], pending_output=True)
+        for row in known
+    ]
+    width = penalty_width_needed(known)
+    logits = _logits(8, 16, seed=2)
+    want = penalties_jit(logits, make_sampling_metadata(known, 8, width), np.zeros(8, np.int32))
+    last_input = np.array([5, 8, 0, 0, 0, 0, 0, 0], np.int32)
+    got = penalties_jit(logits, make_sampling_metadata(pending, 8, width), last_input)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 
 def test_greedy_with_penalties_takes_argmax_of_penalised_logits() -> None:
@@ -157,7 +176,8 @@ def test_penalty_width_zero_skips_penalties() -> None:
     md = make_sampling_metadata(rows, 2, 0)
     assert md.penalty_token_ids.shape == (2, 0)
     logits = _logits(2, 32)
-    np.testing.assert_array_equal(np.asarray(penalties_jit(logits, md)), logits)
+    got = penalties_jit(logits, md, np.zeros(2, np.int32))
+    np.testing.assert_array_equal(np.asarray(got), logits)
     assert int(sample_jit(logits, md).token_ids[0]) == int(np.argmax(logits[0]))
 
 

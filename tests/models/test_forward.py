@@ -24,6 +24,7 @@ class Row:
     token_ids: list[int]
     start_position: int
     block_table: list[int]
+    prev_step_row: int | None = None
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:  # [len(ids), V]

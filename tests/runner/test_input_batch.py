@@ -6,8 +6,14 @@ import dataclasses
 
 import numpy as np
 
-from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, pow2_buckets, unpack
-from jvllm.runner.model_runner import decode_first
+from jvllm.runner.input_batch import (
+    BatchShape,
+    pack_rows,
+    pick_bucket,
+    pow2_buckets,
+    token_buckets,
+    unpack,
+)
 
 
 @dataclasses.dataclass
@@ -15,6 +21,7 @@ class Row:
     token_ids: list[int]
     start_position: int
     block_table: list[int]
+    prev_step_row: int | None = None
 
 
 def random_rows(rng: np.random.Generator, block_size: int) -> list[Row]:
@@ -32,7 +39,7 @@ def test_pack_rows_matches_a_row_by_row_reading():
         rows = random_rows(rng, 8)
         total = sum(len(r.token_ids) for r in rows)
         shape = BatchShape(pick_bucket(total, pow2_buckets(16, 256)), 8, 8)
-        inp = unpack(pack_rows(rows, shape, 8), shape)
+        inp = unpack(pack_rows(rows, shape, 8), shape, np.zeros(8, np.int32))
         qsl = np.asarray(inp.attn.query_start_loc)
         assert qsl[0] == 0 and (qsl[len(rows) :] == total).all()
         for i, r in enumerate(rows):
@@ -50,6 +57,20 @@ def test_pack_rows_matches_a_row_by_row_reading():
         assert (np.asarray(inp.attn.seq_lens)[len(rows) :] == 0).all()
 
 
-def test_decode_first_is_stable():
-    rows = [Row([1, 2], 0, [1]), Row([3], 5, [2]), Row([4, 5, 6], 0, [3]), Row([7], 9, [4])]
-    assert decode_first(rows) == [1, 3, 0, 2]
+def test_token_buckets_are_fine_and_end_at_the_budget():
+    assert token_buckets(128) == (16, 32, 48, 64, 80, 96, 112, 128)
+    buckets = token_buckets(2048)
+    assert buckets[-1] == 2048 and list(buckets) == sorted(set(buckets))
+    for n in range(1, 2049):  # at most 16 tokens or 25% of padding, whatever the count
+        padded = pick_bucket(n, buckets)
+        assert padded - n < max(16, 0.25 * n + 1)
+    assert token_buckets(100) == (16, 32, 48, 64, 80, 96, 100)
+
+
+def test_placeholder_tokens_come_from_the_previous_step():
+    rows = [Row([1, 2], 0, [1]), Row([0], 5, [2], prev_step_row=3), Row([0], 9, [4], 0)]
+    shape = BatchShape(16, 4, 2)
+    last_sampled = np.array([70, 71, 72, 73], np.int32)
+    inp = unpack(pack_rows(rows, shape, 8), shape, last_sampled)
+    assert list(np.asarray(inp.token_ids)[:4]) == [1, 2, 73, 70]
+    assert (np.asarray(inp.token_ids)[4:] == 0).all()
