@@ -1,9 +1,10 @@
 """Attention over the paged KV cache: metadata pytree and backend dispatch.
 
 Owns `AttentionMetadata` (the per-step arrays every layer shares) and the choice
-between the reference jax.numpy attention ("reference") and the Triton kernels
-launched through jax-triton ("triton", NVIDIA GPUs only). Backends receive one
-layer's cache and return it updated with this step's K/V.
+between the reference jax.numpy attention ("reference"), the Triton kernels
+launched through jax-triton ("triton", NVIDIA GPUs only) and the C++ decode kernel
+for XLA:CPU ("cpu"). Backends receive one layer's cache and return it updated with
+this step's K/V.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def paged_attention(
         from jvllm.kernels import jax_triton_attention
 
         attend = jax_triton_attention.paged_attention
+    elif backend == "cpu":
+        from jvllm.kernels import cpu_attention
+
+        attend = cpu_attention.paged_attention
     else:
-        raise ValueError(f"attention backend must be 'reference' or 'triton', got {backend!r}")
+        raise ValueError(
+            f"attention backend must be 'reference', 'triton' or 'cpu', got {backend!r}"
+        )
     k_cache, v_cache = reference.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
     out = attend(
         q,
