@@ -42,8 +42,11 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "tensor_parallel_size": "devices to shard the model over",
     "scheduling_policy": "continuous batching, or static batches (for comparison)",
+    "async_scheduling": "schedule the next step while the device runs this one",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
+    "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
+    "default $JVLLM_CACHE/xla)",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     scheduling_policy: str = "continuous"
+    async_scheduling: bool = True
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
+    # unless the process configured one already; "" turns it off.
+    compilation_cache_dir: str | None = None
     # Multi-host (offline API): every process runs the same program; see parallel.distributed.
     coordinator_address: str | None = None
     num_processes: int | None = None
@@ -59,6 +64,7 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def create_engine(self) -> LLMEngine:
+        enable_compilation_cache(self.compilation_cache_dir)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
         )
@@ -74,7 +80,11 @@ class EngineArgs:
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
-            self.max_num_seqs, batched, max_model_len, self.scheduling_policy
+            self.max_num_seqs,
+            batched,
+            max_model_len,
+            self.scheduling_policy,
+            self.async_scheduling,
         )
         cache = CacheConfig(
             self.block_size,
@@ -125,14 +135,41 @@ class EngineArgs:
         return num_blocks
 
 
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Points JAX's persistent compilation cache at `cache_dir` (see EngineArgs), keeping
+    every program however small or quick (a small model's are both). A directory the
+    process already configured (a benchmark's, a test's) is left as it is."""
+    if cache_dir == "":
+        return
+    if cache_dir is None:
+        if jax.config.jax_compilation_cache_dir:
+            return
+        root = os.environ.get("JVLLM_CACHE") or Path.home() / ".cache" / "jvllm"
+        cache_dir = str(Path(root) / "xla")
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _resolve_backend(backend: str) -> str:
-    """'auto' is the Triton kernel on a CUDA GPU (when jax-triton is installed), else the
-    jax.numpy reference; 'triton' anywhere but a CUDA GPU is a user error."""
+    """'auto' is the Triton kernel on a CUDA GPU (when jax-triton is installed), the C++
+    decode kernel on a CPU (when a C++ compiler is on PATH), else the jax.numpy
+    reference; 'triton' anywhere but a CUDA GPU, or 'cpu' anywhere but a CPU, is a user
+    error."""
     import importlib.util
+
+    from jvllm.kernels import cpu_attention
 
     platform = jax.devices()[0].platform
     on_cuda = platform in ("gpu", "cuda")
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(
+            f"attention_backend='cpu' needs JAX on a CPU, but it runs on {platform!r}; use 'auto'"
+        )
     if backend == "auto":
+        if platform == "cpu":
+            return "cpu" if cpu_attention.available() else "reference"
         if not on_cuda:
             return "reference"
         if importlib.util.find_spec("jax_triton") is None:
