@@ -30,7 +30,7 @@ logger = logging.getLogger("jvllm")
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
 _CHOICES = {
-    "dtype": DTYPES,
+    "dtype": (*DTYPES, *compat.DTYPE_ALIASES),
     "scheduling_policy": SCHEDULING_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
 }

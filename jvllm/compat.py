@@ -3,9 +3,9 @@
 Owns one table, shared by `jvllm serve` flags and `LLM(...)` keywords, so a vLLM
 user's launch line and script carry over: each entry names a vLLM argument, its
 command-line type, its `--help` group and why it has no effect here. `accept()` logs
-one line per no-op given and raises ValueError for a value that would change
-behaviour jvllm cannot honour. Arguments jvllm implements are EngineArgs fields or
-server flags, not entries here.
+one line per no-op given, raises ValueError for a value that would change
+behaviour jvllm cannot honour, and maps vLLM's dtype aliases (`half`, `float`).
+Arguments jvllm implements are EngineArgs fields or server flags, not entries here.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ NO_OPS = (
     ),
 )
 _BY_NAME = {n.name: n for n in NO_OPS}
+# vLLM's other names for dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def no_ops(offline: bool) -> list[NoOp]:
@@ -109,7 +111,10 @@ def accept(model: str, options: Mapping[str, Any], offline: bool = False) -> dic
     for name in sorted(known & set(options)):
         _check(_BY_NAME[name], options[name], model)
         logger.info("%s=%r has no effect in jvllm: %s", name, options[name], _BY_NAME[name].reason)
-    return {k: v for k, v in options.items() if k not in known}
+    kept = {k: v for k, v in options.items() if k not in known}
+    if kept.get("dtype") in DTYPE_ALIASES:
+        kept["dtype"] = DTYPE_ALIASES[kept["dtype"]]
+    return kept
 
 
 def _check(entry: NoOp, value: Any, model: str) -> None:

@@ -72,6 +72,17 @@ def test_refused_values_exit_before_the_engine(checkpoints, tmp_path, capsys):
     assert "generation_config.json" in capsys.readouterr().err
 
 
+def test_chat_template_is_a_file_or_the_template(tmp_path):
+    from jvllm.server.chat_template import load_chat_template
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline)
+    assert load_chat_template(inline) == inline == load_chat_template(str(tmp_path / "t.jinja"))
+    assert load_chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
 def test_request_defaults_from_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 50, "max_new_tokens": 7})
@@ -103,10 +114,11 @@ def test_llm_takes_vllm_keywords(checkpoints, tmp_path, caplog):
         enable_chunked_prefill=True,
         disable_log_stats=True,
         generation_config="auto",
+        dtype="float",
         max_logprobs=3,
         max_model_len=128,
         max_num_seqs=4,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=16,  # one token bucket: one warm-up compile
     )
     assert "enforce_eager=True has no effect in jvllm" in caplog.text
     defaults = llm.get_default_sampling_params()

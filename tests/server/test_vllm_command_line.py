@@ -57,11 +57,11 @@ def env(checkpoints, tmp_path_factory):
         "--host", "127.0.0.1",
         "--api-key", API_KEY,
         "--tensor-parallel-size", "1",
-        "--dtype", "auto",
+        "--dtype", "float",
         "--seed", "0",
         "--max-model-len", "256",
         "--max-num-seqs", "16",
-        "--max-num-batched-tokens", "64",
+        "--max-num-batched-tokens", "32",
         "--block-size", "16",
         "--gpu-memory-utilization", "0.9",
         "--no-enable-prefix-caching",
@@ -75,6 +75,7 @@ def env(checkpoints, tmp_path_factory):
         "--chat-template", TEMPLATE,
         "--response-role", "bot",
         "--enable-log-requests",
+        "--return-tokens-as-token-ids",
         "--allowed-origins", GOOD_ORIGIN,
         "--allow-credentials",
         "--root-path", "/api",
@@ -87,8 +88,8 @@ def env(checkpoints, tmp_path_factory):
         f"model: {model}\n"
         "served-model-name: [tiny-b]\n"
         "max_model_len: 256\n"
-        "max-num-seqs: 16\n"
-        "max-num-batched-tokens: 64\n"
+        "max-num-seqs: 4\n"
+        "max-num-batched-tokens: 16\n"
         "block-size: 16\n"
         "enable-prefix-caching: false\n"
         "enforce-eager: true\n"
@@ -168,6 +169,7 @@ def test_generation_config_vllm_ignores_the_file(env):
 def test_max_logprobs_caps_requests(env):
     ok = env.client.completions.create(model="tiny", prompt="a b", max_tokens=2, logprobs=5)
     assert len(ok.choices[0].logprobs.top_logprobs[0]) >= 5
+    assert all(t.startswith("token_id:") for t in ok.choices[0].logprobs.tokens)
     with pytest.raises(openai.BadRequestError, match="max_logprobs=5"):
         env.client.completions.create(model="tiny", prompt="a b", max_tokens=2, logprobs=6)
 
