@@ -101,8 +101,12 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def no_ops(offline: bool) -> list[NoOp]:
-    """The table's entries for LLM(...) (offline) or for `jvllm serve`."""
-    return [n for n in NO_OPS if offline or not n.offline_only]
+    """The table's entries for LLM(...) (offline) or for `jvllm serve`; an EngineArgs
+    field of the same name (implemented since) takes the entry's place."""
+    from jvllm.engine_args import EngineArgs
+
+    implemented = set(EngineArgs.field_names())
+    return [n for n in NO_OPS if (offline or not n.offline_only) and n.name not in implemented]
 
 
 def accept(model: str, options: Mapping[str, Any], offline: bool = False) -> dict[str, Any]:

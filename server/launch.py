@@ -4,8 +4,9 @@ Owns the process lifecycle. On SIGTERM or SIGINT it drains instead of stopping a
 once: new inference requests get 503, in-flight ones run to completion for up to
 `shutdown_timeout` seconds (then they are aborted), and the process exits 0. If
 the engine loop dies, in-flight requests get an error, /health answers 503 for a
-moment so that probes can see it, and the process exits 1. Argument parsing is
-`jvllm.cli`'s; the routes are `app.py`'s.
+moment so that probes can see it, and the process exits 1. It hands ServerConfig's
+TLS and root path to uvicorn, and its CORS policy and stats line to the app. Argument
+parsing is `jvllm.cli`'s and `cli_args.py`'s; the routes are `app.py`'s.
 """
 
 from __future__ import annotations
@@ -144,10 +145,12 @@ def run_server(
     engine_args: EngineArgs, config: ServerConfig, model_path: str, is_demo: bool = False
 ) -> int:
     """Builds the engine and serves it until shutdown; returns the process exit status."""
+    # Read before the engine's warm-up, so that a bad file or value fails in a moment.
     chat_template = load_chat_template(config.chat_template)
     defaults = RequestDefaults.load(
         engine_args.generation_config, engine_args.model, engine_args.max_logprobs
     )
+    interval = stats_interval()
     engine = engine_args.create_engine()
     metrics = ServerMetrics()
     server: _DrainingServer | None = None
@@ -176,10 +179,18 @@ def run_server(
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
     )
     state = ServerState()
-    stats = StatsLogger(async_llm.metrics, stats_interval()) if config.log_stats else None
+    stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None
     app = build_app(ctx, metrics, state, config.api_key, cors=_cors(config), stats=stats)
     uv_config = _uvicorn_config(app, config)
     server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
+    _log_start(config, model_path, names)
+    server.run()
+    if async_llm.is_dead:
+        return 1
+    return 0 if server.started else 1
+
+
+def _log_start(config: ServerConfig, model_path: str, names: list[str]) -> None:
     logger.info(
         "serving %s as %s on %s://%s:%d%s (API key %s)",
         model_path,
@@ -190,10 +201,6 @@ def run_server(
         config.root_path,
         "required" if config.api_key else "not required",
     )
-    server.run()
-    if async_llm.is_dead:
-        return 1
-    return 0 if server.started else 1
 
 
 def _cors(config: ServerConfig) -> CORSPolicy:

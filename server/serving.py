@@ -1,5 +1,7 @@
 """What the completions and chat handlers share: the model check, model-aware
-validation, SamplingParams from a request, and submitting prompts to the engine.
+validation, SamplingParams from a request (the model's generation_config defaults
+filling what it leaves unset), and submitting prompts to the engine (logged with
+`--enable-log-requests`).
 
 Owns turning engine and validation exceptions into API errors (400, 404, 503) before
 any response has started, so a bad request never reaches the engine half-submitted.
