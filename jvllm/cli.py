@@ -1,9 +1,12 @@
 """The `jvllm` command line: `jvllm serve [MODEL] [flags]`, `jvllm convert MODEL OUT`.
 
-Owns argument parsing. Engine flags are derived from the `EngineArgs` dataclass
-(one `--kebab-case` flag per field, typed from its annotation), so a new engine
-knob is a new flag without touching this file; only flags given on the command
-line reach EngineArgs, so its defaults stay the single source of truth. Serving
+Owns argument parsing, with vLLM's spellings: engine flags are derived from the
+`EngineArgs` dataclass (one `--kebab-case` flag per field, typed from its annotation,
+booleans with a `--no-` form), grouped in `--help` as vLLM groups them, so a new
+engine knob is a new flag without touching this file; only flags given on the
+command line reach EngineArgs, so its defaults stay the single source of truth.
+vLLM flags without effect here come from `jvllm.compat`, the server's own from
+`jvllm.server.cli_args`, and `--config FILE.yaml` from `jvllm.yaml_args`. Serving
 the process is `jvllm.server.launch`'s job.
 """
 
@@ -12,20 +15,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any
 
+from jvllm import compat
 from jvllm.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
+from jvllm.server.cli_args import add_frontend_flags, server_config
+from jvllm.yaml_args import config_file_argv
 
 logger = logging.getLogger("jvllm")
 _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
 _CHOICES = {
-    "dtype": DTYPES,
+    "dtype": (*DTYPES, *compat.DTYPE_ALIASES),
     "scheduling_policy": SCHEDULING_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
 }
@@ -47,7 +52,46 @@ _HELP = {
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
     "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
     "default $JVLLM_CACHE/xla)",
+    "generation_config": "auto (the model's generation_config.json supplies request defaults), "
+    "vllm (ignore its sampling defaults) or a directory holding one",
+    "max_logprobs": "most logprobs and prompt_logprobs a request may ask for",
 }
+
+
+# The `jvllm serve --help` group of each EngineArgs field, as vLLM groups its flags.
+_GROUPS = {
+    "tokenizer": "ModelConfig",
+    "dtype": "ModelConfig",
+    "seed": "ModelConfig",
+    "max_model_len": "ModelConfig",
+    "attention_backend": "ModelConfig",
+    "generation_config": "ModelConfig",
+    "max_logprobs": "ModelConfig",
+    "block_size": "CacheConfig",
+    "gpu_memory_utilization": "CacheConfig",
+    "num_gpu_blocks_override": "CacheConfig",
+    "enable_prefix_caching": "CacheConfig",
+    "cpu_kv_cache_bytes": "CacheConfig",
+    "max_num_seqs": "SchedulerConfig",
+    "max_num_batched_tokens": "SchedulerConfig",
+    "scheduling_policy": "SchedulerConfig",
+    "async_scheduling": "SchedulerConfig",
+    "tensor_parallel_size": "ParallelConfig",
+    "coordinator_address": "ParallelConfig",
+    "num_processes": "ParallelConfig",
+    "process_id": "ParallelConfig",
+    "compilation_cache_dir": "CompilationConfig",
+}
+_GROUP_ORDER = (
+    "ModelConfig",
+    "LoadConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+    "ParallelConfig",
+    "CompilationConfig",
+    "EngineArgs",  # fields not in _GROUPS yet
+)
+_ALIASES = {"tensor_parallel_size": ["-tp"], "compilation_config": ["-O"]}
 
 
 def engine_flag_fields() -> list[tuple[str, Any]]:
@@ -59,21 +103,39 @@ def engine_flag_fields() -> list[tuple[str, Any]]:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (EngineArgs)")
+    groups = {title: parser.add_argument_group(title) for title in _GROUP_ORDER}
+    model = groups["ModelConfig"]
+    model.add_argument(
+        "--model", dest="model_option", metavar="MODEL", help="checkpoint directory, as MODEL"
+    )
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model (default: MODEL as given)",
+    )
     for name, hint in engine_flag_fields():
-        flag = "--" + name.replace("_", "-")
-        base = _base_type(hint)
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
-        kwargs["help"] = _HELP.get(name, f"EngineArgs.{name}")
-        if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = base
-            kwargs["metavar"] = base.__name__.upper()
-            if name in _CHOICES:
-                kwargs["choices"] = _CHOICES[name]
-                kwargs.pop("metavar")
-        group.add_argument(flag, **kwargs)
+        group = groups[_GROUPS.get(name, "EngineArgs")]
+        _add_flag(group, name, _base_type(hint), _HELP.get(name, f"EngineArgs.{name}"))
+    for entry in compat.no_ops(offline=False):
+        help = f"accepted, no effect: {entry.reason}"
+        _add_flag(groups[entry.group], entry.name, entry.type, help, entry.nargs)
+
+
+def _add_flag(
+    group: argparse._ArgumentGroup, name: str, base: type, help: str, nargs: str | None = None
+) -> None:
+    flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
+    # Only flags given on the command line reach EngineArgs, whose defaults stay the truth.
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs.update(type=base, metavar=base.__name__.upper(), nargs=nargs)
+        if name in _CHOICES:
+            kwargs["choices"] = _CHOICES[name]
+            kwargs.pop("metavar")
+    group.add_argument(*flags, **kwargs)
 
 
 def _base_type(hint: Any) -> type:
@@ -85,56 +147,44 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
+def build_serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jvllm serve",
+        add_help=add_help,
+        description="Serve MODEL (a Hugging Face checkpoint directory) over an "
+        "OpenAI-compatible API. Without MODEL, serve a tiny random-weight demo model. "
+        "Flags are vLLM's; those that mean nothing under JAX are accepted and logged.",
+    )
+    parser.add_argument("model", nargs="?", help="checkpoint directory (default: the demo model)")
+    parser.add_argument(
+        "--config",
+        help="a YAML file of flags (keys are flag names); the command line wins over it",
+    )
+    add_frontend_flags(parser)
+    _add_engine_flags(parser)
+    return parser
+
+
+def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`jvllm serve` arguments; with --config, the file's flags under the command line's."""
+    parser = build_serve_parser()
+    args = parser.parse_args(argv)
+    if args.config is None:
+        return args
+    from_file = parser.parse_args(config_file_argv(args.config))
+    # Parsing into the file's namespace keeps its values unless a flag here overrides them.
+    return parser.parse_args(argv, namespace=from_file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jvllm", description="JAX LLM inference and serving")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser(
+    commands.add_parser(
         "serve",
+        parents=[build_serve_parser(add_help=False)],
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL (a Hugging Face checkpoint directory) over an "
-        "OpenAI-compatible API. Without MODEL, serve a tiny random-weight demo model.",
+        description="Serve MODEL over an OpenAI-compatible API (see `jvllm serve --help`).",
     )
-    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the demo model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("JVLLM_API_KEY"),
-        help="require `Authorization: Bearer KEY` on inference routes (env: JVLLM_API_KEY)",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use for the model (default: MODEL as given)",
-    )
-    serve.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="requests that may wait for a slot before new ones get 503 (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=None,
-        help="largest accepted request body; larger ones get 413 (default: 4 MiB)",
-    )
-    serve.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    serve.add_argument(
-        "--disable-access-log", action="store_true", help="do not log each HTTP request"
-    )
-    _add_engine_flags(serve)
     convert = commands.add_parser(
         "convert",
         help="save a checkpoint's loaded parameters as an orbax checkpoint",
@@ -158,47 +208,37 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from jvllm.engine_args import EngineArgs
-    from jvllm.server.launch import ServerConfig, run_server
+    from jvllm.server.launch import run_server
 
-    engine_kwargs = {name: getattr(args, name) for name, _ in engine_flag_fields() if name in args}
-    if engine_kwargs.get("coordinator_address") or engine_kwargs.get("num_processes"):
+    names = [name for name, _ in engine_flag_fields()] + [n.name for n in compat.no_ops(False)]
+    options = {name: getattr(args, name) for name in names if name in args}
+    if options.get("coordinator_address") or options.get("num_processes"):
         raise ValueError("the server runs on one host; multi-host runs the offline LLM API")
-    is_demo = args.model is None
+    model = args.model or args.model_option
+    is_demo = model is None
     if is_demo:
         from jvllm.testing.demo import DEMO_ENGINE_DEFAULTS, DEMO_NAME, ensure_demo_model
 
         model = str(ensure_demo_model())
-        engine_kwargs = {**DEMO_ENGINE_DEFAULTS, **engine_kwargs}
-        names = tuple(args.served_model_name or [DEMO_NAME])
+        options = {**DEMO_ENGINE_DEFAULTS, **options}
+        served = tuple(args.served_model_name or [DEMO_NAME])
         logger.warning(
             "no MODEL given: serving the built-in DEMO model (tiny, random weights, its "
             "output is noise) from %s; pass a checkpoint directory to serve a real model",
             model,
         )
     else:
-        model = args.model
-        names = tuple(args.served_model_name or [model])
-    config_kwargs: dict[str, Any] = {}
-    if args.max_request_body_bytes is not None:
-        config_kwargs["max_request_body_bytes"] = args.max_request_body_bytes
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_names=names,
-        max_queued_requests=args.max_queued_requests,
-        shutdown_timeout=args.shutdown_timeout,
-        uvicorn_log_level=args.uvicorn_log_level,
-        disable_access_log=args.disable_access_log,
-        **config_kwargs,
-    )
+        served = tuple(args.served_model_name or [model])
+    engine_kwargs = compat.accept(model, options)
+    config = server_config(args, served)
     return run_server(EngineArgs(model=model, **engine_kwargs), config, model, is_demo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    if args.command == "convert":
+    if argv[:1] != ["serve"]:
+        args = build_parser().parse_args(argv)
         try:
             return _convert(args)
         except (ValueError, FileNotFoundError) as e:
@@ -211,9 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jvllm serve needs: pip install 'jvllm[serve]' ({e})", file=sys.stderr)
         return 2
     try:
-        return _serve(args)
+        return _serve(parse_serve_args(argv[1:]))
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
-        # A bad flag or checkpoint: say what is wrong, without a traceback.
+        # A bad flag, config file or checkpoint: say what is wrong, without a traceback.
         print(f"jvllm serve: error: {e}", file=sys.stderr)
         return 2
 

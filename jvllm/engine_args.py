@@ -20,12 +20,14 @@ import jax
 
 from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.generation_config import generation_config_dir
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner.model_runner import ModelRunner
+from jvllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("jvllm")
 
@@ -58,6 +60,9 @@ class EngineArgs:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # Request defaults and caps (vLLM's names): see jvllm.generation_config.
+    generation_config: str = "auto"
+    max_logprobs: int = MAX_LOGPROBS
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -99,7 +104,8 @@ class EngineArgs:
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
         config = EngineConfig(model_config, cache, scheduler, parallel)
-        eos = eos_token_ids(Path(self.model), loaded.spec, tokenizer)
+        gen_dir = generation_config_dir(self.generation_config, self.model)
+        eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
         return LLMEngine(config, tokenizer, runner, num_blocks, loaded.spec.vocab_size, eos)
 
     def _num_blocks(

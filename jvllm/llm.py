@@ -13,7 +13,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jvllm import compat
 from jvllm.engine_args import EngineArgs
+from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
 
@@ -21,15 +23,23 @@ Prompt = str | dict[str, Any]
 
 
 class LLM:
-    """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields."""
+    """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
+    vLLM arguments that have no effect here (`jvllm.compat`, each logged once)."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        kwargs = compat.accept(str(model), kwargs, offline=True)
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise TypeError(f"LLM got unknown arguments: {sorted(unknown)}")
-        self.engine_args = EngineArgs(model=str(model), **kwargs)
-        self.engine = self.engine_args.create_engine()
+        self.engine_args = args = EngineArgs(model=str(model), **kwargs)
+        # Before the engine: a bad generation_config or max_logprobs fails in a moment.
+        self.defaults = RequestDefaults.load(args.generation_config, args.model, args.max_logprobs)
+        self.engine = args.create_engine()
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's)."""
+        return self.defaults.default_sampling_params()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -47,7 +57,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -57,6 +67,8 @@ class LLM:
                     f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                     "pass one, or one per prompt"
                 )
+        for p in params:
+            self.defaults.check_logprobs(p)
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 

@@ -1,13 +1,14 @@
 """The Starlette application: routes, middleware, error rendering and lifespan.
 
-Owns wiring: which path calls which handler, the middleware order (API key, then
-drain/in-flight accounting, then the router), turning every exception into OpenAI's
+Owns wiring: which path calls which handler, the middleware order (CORS, API key,
+then drain/in-flight accounting, then the router), turning every exception into OpenAI's
 error envelope, and starting and stopping the engine thread with the app. The
 handlers themselves live in `serving_*.py`; the process around it in `launch.py`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jvllm
 
-from .auth import OPEN_PATHS, APIKeyMiddleware
+from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
@@ -39,10 +41,30 @@ from .responses import (
 from .serving import ServingContext, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
+from .stats_logger import StatsLogger
 
 logger = logging.getLogger("jvllm.server")
 
 DEMO_DESCRIPTION = "DEMO: a tiny random-weight Llama built into jvllm; its output is noise"
+
+
+@dataclass(frozen=True)
+class CORSPolicy:
+    """Starlette's CORSMiddleware settings (vLLM's `--allowed-*` flags)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def middleware(self) -> Middleware:
+        return Middleware(
+            CORSMiddleware,
+            allow_origins=list(self.allowed_origins),
+            allow_methods=list(self.allowed_methods),
+            allow_headers=list(self.allowed_headers),
+            allow_credentials=self.allow_credentials,
+        )
 
 
 @dataclass
@@ -61,7 +83,7 @@ class DrainMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
@@ -81,6 +103,8 @@ def build_app(
     metrics: ServerMetrics,
     state: ServerState | None = None,
     api_key: str | None = None,
+    cors: CORSPolicy | None = None,
+    stats: StatsLogger | None = None,
 ) -> Starlette:
     state = state or ServerState()
     openapi = openapi_document(auth=api_key is not None)
@@ -121,13 +145,18 @@ def build_app(
     middleware = [Middleware(DrainMiddleware, state=state)]
     if api_key is not None:
         middleware.insert(0, Middleware(APIKeyMiddleware, api_key=api_key))
+    # Outermost: a browser's preflight carries no API key and must still be answered.
+    middleware.insert(0, (cors or CORSPolicy()).middleware())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.engine.start()
+        stats_task = asyncio.ensure_future(stats.run()) if stats is not None else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await ctx.engine.shutdown()
 
     return Starlette(

@@ -2,8 +2,9 @@
 
 Owns one decision: does this HTTP request carry `Authorization: Bearer <key>`? It is
 default-deny: every path needs the key except an exact allow-list (health, metrics,
-version, the OpenAPI document). It reads `scope["path"]`, the decoded path the router
-itself matches, never the Host header or the raw URL, so `//v1/...`, `/health/../v1`,
+version, the OpenAPI document). It reads the decoded path the router itself matches
+(`scope["path"]` less any `--root-path`, through Starlette's own function), never the
+Host header or the raw URL, so `//v1/...`, `/health/../v1`,
 absolute-form targets and Host tricks cannot slip a routed path past it (a path that
 is not exactly on the list needs the key, even if it then 404s). The comparison is
 constant-time.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import hmac
 
+# The router's own path function: the allow-list must match exactly what it routes.
+from starlette._utils import get_route_path as route_path
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,7 +33,7 @@ class APIKeyMiddleware:
         self._open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._open or self._authorized(scope):
+        if scope["type"] != "http" or route_path(scope) in self._open or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = JSONResponse(

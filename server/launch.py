@@ -4,8 +4,9 @@ Owns the process lifecycle. On SIGTERM or SIGINT it drains instead of stopping a
 once: new inference requests get 503, in-flight ones run to completion for up to
 `shutdown_timeout` seconds (then they are aborted), and the process exits 0. If
 the engine loop dies, in-flight requests get an error, /health answers 503 for a
-moment so that probes can see it, and the process exits 1. Argument parsing is
-`jvllm.cli`'s; the routes are `app.py`'s.
+moment so that probes can see it, and the process exits 1. It hands ServerConfig's
+TLS and root path to uvicorn, and its CORS policy and stats line to the app. Argument
+parsing is `jvllm.cli`'s and `cli_args.py`'s; the routes are `app.py`'s.
 """
 
 from __future__ import annotations
@@ -14,17 +15,22 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine_args import EngineArgs
+from jvllm.generation_config import RequestDefaults
 
-from .app import ServerState, build_app
+from .app import CORSPolicy, ServerState, build_app
+from .chat_template import load_chat_template
 from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
 from .serving import ServingContext
+from .stats_logger import StatsLogger, stats_interval
 
 logger = logging.getLogger("jvllm.server")
 
@@ -45,6 +51,21 @@ class ServerConfig:
     max_request_body_bytes: int = MAX_BODY_BYTES
     uvicorn_log_level: str = "info"
     disable_access_log: bool = False
+    chat_template: str | None = None  # a file or the template itself
+    response_role: str = "assistant"
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+    log_requests: bool = False
+    max_log_len: int | None = None
+    log_stats: bool = True
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,6 +78,17 @@ class ServerConfig:
             raise ValueError(
                 f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
             )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for path in (self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"TLS file {path!r} does not exist")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
 
 
 class _DrainingServer(uvicorn.Server):
@@ -113,6 +145,12 @@ def run_server(
     engine_args: EngineArgs, config: ServerConfig, model_path: str, is_demo: bool = False
 ) -> int:
     """Builds the engine and serves it until shutdown; returns the process exit status."""
+    # Read before the engine's warm-up, so that a bad file or value fails in a moment.
+    chat_template = load_chat_template(config.chat_template)
+    defaults = RequestDefaults.load(
+        engine_args.generation_config, engine_args.model, engine_args.max_logprobs
+    )
+    interval = stats_interval()
     engine = engine_args.create_engine()
     metrics = ServerMetrics()
     server: _DrainingServer | None = None
@@ -127,28 +165,65 @@ def run_server(
     )
     metrics.attach(async_llm.metrics)
     names = list(config.served_model_names) or [model_path]
-    ctx = ServingContext(async_llm, names, model_path, is_demo, config.max_request_body_bytes)
-    state = ServerState()
-    app = build_app(ctx, metrics, state, config.api_key)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.uvicorn_log_level,
-        access_log=not config.disable_access_log,
-        timeout_graceful_shutdown=max(5, int(config.shutdown_timeout)),
-        lifespan="on",
-    )
-    server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
-    logger.info(
-        "serving %s as %s on http://%s:%d (API key %s)",
+    ctx = ServingContext(
+        async_llm,
+        names,
         model_path,
-        ", ".join(names),
-        config.host,
-        config.port,
-        "required" if config.api_key else "not required",
+        is_demo,
+        config.max_request_body_bytes,
+        defaults=defaults,
+        chat_template=chat_template,
+        response_role=config.response_role,
+        log_requests=config.log_requests,
+        max_log_len=config.max_log_len,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
     )
+    state = ServerState()
+    stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None
+    app = build_app(ctx, metrics, state, config.api_key, cors=_cors(config), stats=stats)
+    uv_config = _uvicorn_config(app, config)
+    server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
+    _log_start(config, model_path, names)
     server.run()
     if async_llm.is_dead:
         return 1
     return 0 if server.started else 1
+
+
+def _log_start(config: ServerConfig, model_path: str, names: list[str]) -> None:
+    logger.info(
+        "serving %s as %s on %s://%s:%d%s (API key %s)",
+        model_path,
+        ", ".join(names),
+        config.scheme,
+        config.host,
+        config.port,
+        config.root_path,
+        "required" if config.api_key else "not required",
+    )
+
+
+def _cors(config: ServerConfig) -> CORSPolicy:
+    return CORSPolicy(
+        config.allowed_origins,
+        config.allowed_methods,
+        config.allowed_headers,
+        config.allow_credentials,
+    )
+
+
+def _uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        root_path=config.root_path,
+        log_level=config.uvicorn_log_level,
+        access_log=not config.disable_access_log,
+        timeout_graceful_shutdown=max(5, int(config.shutdown_timeout)),
+        lifespan="on",
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs,
+    )

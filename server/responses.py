@@ -77,7 +77,7 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role
     content: str
 
 
@@ -101,7 +101,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """Only the fields that changed: unset ones are left out, as OpenAI does."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
     @model_serializer(mode="wrap")

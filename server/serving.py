@@ -1,5 +1,7 @@
 """What the completions and chat handlers share: the model check, model-aware
-validation, SamplingParams from a request, and submitting prompts to the engine.
+validation, SamplingParams from a request (the model's generation_config defaults
+filling what it leaves unset), and submitting prompts to the engine (logged with
+`--enable-log-requests`).
 
 Owns turning engine and validation exceptions into API errors (400, 404, 503) before
 any response has started, so a bad request never reaches the engine half-submitted.
@@ -12,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -25,6 +27,7 @@ from jvllm.engine.async_llm import (
     RequestAbortedError,
     RequestStream,
 )
+from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
 
@@ -57,6 +60,12 @@ class ServingContext:
     model_path: str
     is_demo: bool = False
     max_body_bytes: int = 4 << 20
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    chat_template: str | None = None  # None: the tokenizer's
+    response_role: str = "assistant"
+    log_requests: bool = False
+    max_log_len: int | None = None  # prompt characters and ids a request log line shows
+    return_tokens_as_token_ids: bool = False
 
     @property
     def tokenizer(self) -> Any:
@@ -114,6 +123,8 @@ class ServingContext:
                 param="prompt",
                 code="context_length_exceeded",
             )
+        if not explicit and "max_tokens" in self.defaults.sampling:
+            requested = self.defaults.sampling["max_tokens"]
         if requested is None or (not explicit and n + requested > limit):
             return limit - n
         if n + requested > limit:
@@ -135,12 +146,28 @@ class ServingContext:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                if self.log_requests:
+                    self._log_request(rid, prompt, p)
                 streams.append(await self.engine.add_request(rid, prompt.engine_input(), p))
         except BaseException as e:
             for stream in streams:
                 stream.close()
             raise engine_error(e) from None
         return streams
+
+    def _log_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        n = self.max_log_len
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            request_id,
+            prompt.text[:n],
+            params,
+            prompt.token_ids[:n],
+        )
+
+    def token_text(self, token_id: int, text: str) -> str:
+        """How a logprobs entry names a token (`--return-tokens-as-token-ids`)."""
+        return f"token_id:{token_id}" if self.return_tokens_as_token_ids else text
 
 
 async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
@@ -184,8 +211,11 @@ def stream_error(e: Exception) -> APIError:
     return APIError(500, "Internal error while streaming", code="internal_error")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int, **extra: Any) -> SamplingParams:
-    """SamplingParams from the shared request fields; 400 names the bad field."""
+def sampling_params(
+    req: SamplingRequest, max_tokens: int, defaults: RequestDefaults, **extra: Any
+) -> SamplingParams:
+    """SamplingParams from the shared request fields, the model's defaults filling those
+    left unset; 400 names the bad field."""
     kwargs: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=req.presence_penalty,
@@ -202,10 +232,14 @@ def sampling_params(req: SamplingRequest, max_tokens: int, **extra: Any) -> Samp
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.sampling.get(name)
         if value is not None:
             kwargs[name] = value
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        defaults.check_logprobs(params)
+        return params
     except ValueError as e:
         message = str(e).removeprefix("SamplingParams.")
         raise APIError(400, message, param=message.split(" ")[0], code="invalid_value") from None

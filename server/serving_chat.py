@@ -64,9 +64,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     requested = req.max_completion_tokens or req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = ctx.max_tokens_for(prompt, requested, bool(explicit))
-    params = sampling_params(req, max_tokens, logprobs=top)
+    params = sampling_params(req, max_tokens, ctx.defaults, logprobs=top)
     streams = await ctx.submit("chatcmpl", [prompt], [params])
-    view = _ChatView(req, model, params)
+    view = _ChatView(ctx, req, model, params)
     if req.stream:
         return EventStreamResponse(view.stream(streams[0]))
     outputs = await collect(request, streams)
@@ -79,12 +79,19 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
     tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template", param="messages")
+    if ctx.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            "this model's tokenizer has no chat template; start the server with --chat-template",
+            param="messages",
+        )
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation,
+            chat_template=ctx.chat_template,
         )
     except Exception as e:  # a template may raise anything (jinja2 errors, raise_exception)
         message = f"the chat template rejected the messages: {e}"
@@ -94,8 +101,10 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 
 
 class _ChatView:
-    def __init__(self, req: ChatCompletionRequest, model: str, params: SamplingParams) -> None:
-        self.req, self.model, self.params = req, model, params
+    def __init__(
+        self, ctx: ServingContext, req: ChatCompletionRequest, model: str, params: SamplingParams
+    ) -> None:
+        self.ctx, self.req, self.model, self.params = ctx, req, model, params
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = now()
 
@@ -107,11 +116,11 @@ class _ChatView:
         entries = (c.logprobs or [])[start:end]
         for token, entry in zip(c.token_ids[start:end], entries, strict=False):
             chosen = entry[token]
-            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=_rank)
+            ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=_rank)
             content.append(
                 TokenLogprob(
-                    **_top(chosen.decoded_token, chosen.logprob).model_dump(),
-                    top_logprobs=[_top(lp.decoded_token, lp.logprob) for lp in ranked[:top]],
+                    **self._top(token, chosen).model_dump(),
+                    top_logprobs=[self._top(t, lp) for t, lp in ranked[:top]],
                 )
             )
         return ChatLogprobs(content=content)
@@ -120,7 +129,7 @@ class _ChatView:
         choices = [
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(role=self.ctx.response_role, content=c.text),
                 logprobs=self._logprobs(c, 0, len(c.token_ids)),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -142,7 +151,7 @@ class _ChatView:
         last = None
         try:
             for i in range(self.req.n):
-                role = DeltaMessage(role="assistant", content="")
+                role = DeltaMessage(role=self.ctx.response_role, content="")
                 yield self._chunk([ChatChunkChoice(index=i, delta=role)])
             async for _, out in merge_streams([stream]):
                 last = out
@@ -166,11 +175,10 @@ class _ChatView:
             stream.close()
         yield DONE
 
+    def _top(self, token_id: int, lp: Logprob) -> TopLogprob:
+        text = self.ctx.token_text(token_id, lp.decoded_token or "")
+        return TopLogprob(token=text, logprob=json_logprob(lp.logprob), bytes=list(text.encode()))
 
-def _rank(lp: Logprob) -> int:
-    return lp.rank or 0
 
-
-def _top(token: str | None, logprob: float) -> TopLogprob:
-    text = token or ""
-    return TopLogprob(token=text, logprob=json_logprob(logprob), bytes=list(text.encode()))
+def _rank(item: tuple[int, Logprob]) -> int:
+    return item[1].rank or 0

@@ -57,6 +57,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         sampling_params(
             req,
             ctx.max_tokens_for(p, req.max_tokens, explicit),
+            ctx.defaults,
             logprobs=req.logprobs,
             prompt_logprobs=echo_logprobs,
         )
@@ -204,16 +205,19 @@ def _append(
     for position, token in enumerate(token_ids):
         entry = entries[position] if position < len(entries) else None
         if entry is None or token not in entry:
-            text = ctx.tokenizer.decode([token])
+            text = ctx.token_text(token, ctx.tokenizer.decode([token]))
             result.tokens.append(text)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
-            text = entry[token].decoded_token or ""
+            text = ctx.token_text(token, entry[token].decoded_token or "")
             result.tokens.append(text)
             result.token_logprobs.append(json_logprob(entry[token].logprob))
             result.top_logprobs.append(
-                {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()}
+                {
+                    ctx.token_text(t, lp.decoded_token or ""): json_logprob(lp.logprob)
+                    for t, lp in entry.items()
+                }
             )
         result.text_offset.append(offset)
         offset += len(text)

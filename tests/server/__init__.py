@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,16 +35,27 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -c <prelude> + jvllm.cli.main(["serve", *args])`, logging to a file."""
+    """`python -c <prelude> + jvllm.cli.main(["serve", *args])`, logging to a file; or
+    `python -m MODULE *args` when `module` is given. `verify` (the server's self-signed
+    certificate as an SSL context) means the server speaks HTTPS."""
 
-    def __init__(self, args: list[str], prelude: str = "", env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        prelude: str = "",
+        env: dict[str, str] | None = None,
+        module: str | None = None,
+        verify: ssl.SSLContext | None = None,
+    ):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify or True
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         log_fd, self._log_path = tempfile.mkstemp(prefix="jvllm-serve-", suffix=".log")
         argv = ["serve", *args, "--port", str(self.port), "--disable-access-log"]
         code = f"import sys\n{prelude}\nfrom jvllm.cli import main\nsys.exit(main({argv!r}))\n"
+        command = ["-c", code] if module is None else ["-m", module, *argv[1:]]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code],
+            [sys.executable, *command],
             stdout=log_fd,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -60,7 +72,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=1.0, verify=self.verify)
+                if health.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,1 @@
+"""`python -m jvllm.entrypoints.openai.api_server`: vLLM's OpenAI server module path."""
