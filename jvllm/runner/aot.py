@@ -73,6 +73,12 @@ def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return "x".join(map(str, leaves[-1].shape)) if leaves else ""
 
 
+def _devices(args: Any) -> str:
+    """Where a program runs: the same StableHLO over other devices is another program."""
+    shardings = [x.sharding for x in jax.tree.leaves(args) if getattr(x, "sharding", None)]
+    return str(sorted({(d.id, d.process_index) for s in shardings for d in s.device_set}))
+
+
 def _signature(x: Any) -> Any:
     return (x.shape, x.dtype, x.sharding) if hasattr(x, "shape") else x
 
@@ -90,7 +96,7 @@ class _CompileOnCall:
         if signature not in self.outputs:
             start = time.perf_counter()
             lowered = self.jitted.lower(*args, **kwargs)
-            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+            program = hashlib.sha256(lowered.as_text().encode()).hexdigest() + _devices(args)
             shared = self.runner.shared_compiles
             if program not in shared:  # another runner may have built the very same program
                 shared[program] = lowered.compile()
@@ -122,7 +128,7 @@ class CompileOnlyRunner(ModelRunner):
     ) -> None:
         self.device = device  # the target when there is no mesh
         self.programs: list[CompiledProgram] = []
-        # StableHLO digest -> executable, shareable between runners of the same target.
+        # StableHLO digest and devices -> executable, shareable between runners.
         self.shared_compiles = {} if shared_compiles is None else shared_compiles
         sizes = (num_blocks, block_size, max_model_len, max_num_seqs, max_num_batched_tokens)
         super().__init__(loaded, *sizes, mesh)
@@ -145,8 +151,8 @@ class CompileOnlyRunner(ModelRunner):
         """A host array as it would arrive on the target; anything else unchanged."""
         if not isinstance(x, np.ndarray | np.generic):
             return x
-        sharding = SingleDeviceSharding(self.device) if self.mesh is None else None
-        sharding = sharding or replicated(self.mesh)
+        mesh = self.mesh
+        sharding = SingleDeviceSharding(self.device) if mesh is None else replicated(mesh)
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
     def compile_forward(self, num_tokens: int) -> CompiledProgram:
