@@ -1,23 +1,18 @@
-"""Builds the engine's step programs for NVIDIA H200s on a machine without a GPU.
+"""The deviceless checks: the engine's step programs built for NVIDIA H200s without a GPU.
 
-Owns the deviceless checks of tests/gpu_compile: XLA:GPU compile-only devices from a GPU
-target description (`jax.experimental.topologies`), every program the runner's warm-up
-compiles (via `jvllm.runner.aot`) for an 8B-shaped Llama and for tiny models of each
-architecture, the KV-cache sizing rule checked against the compiled programs' memory,
-tensor-parallel programs over 2, 4 and 8 devices, and launch configurations known to be
-bad. It gathers facts into a JSON report and prints a summary; the test asserts on them.
-
-Run it in its own process, with JAX_PLATFORMS=cpu, the CUDA PJRT plugin and jax-triton
-importable, and JVLLM_TRITON_COMPUTE_CAPABILITY set (all process-wide):
-    python -m jvllm.testing.deviceless --target h200.txtpb --tiny CKPT_DIR ... --report r.json
+Owns XLA:GPU compile-only devices from a GPU target description
+(`jax.experimental.topologies`) and one check per question, each returning plain facts
+(JSON-ready dicts): every program the runner's warm-up compiles for one model on one
+device (via `jvllm.runner.aot`), with ptxas on its Triton kernels and the KV-cache sizing
+rule against the compiled programs' memory; one tensor-parallel forward over a topology's
+devices; and a launch configuration known to be bad. Not owned: which models and sizes
+to check, the report and the command line (jvllm.testing.deviceless_cli), the assertions
+(tests/gpu_compile). Needs the CUDA PJRT plugin and jax-triton importable.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
-import json
 import math
 import re
 import time
@@ -28,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from jvllm.models.loader import LoadedModel, read_config
-from jvllm.models.spec import ModelSpec, spec_from_hf_config
+from jvllm.models.loader import LoadedModel
+from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner import memory
 from jvllm.runner.aot import CompiledProgram, CompileOnlyRunner, abstract_model
@@ -54,6 +49,8 @@ class EngineSizes(NamedTuple):
 EIGHT_B = EngineSizes(8192, 256, 2048)
 # Two buckets: T=16 takes the decode launch configuration, T=32 the prefill one.
 TINY = EngineSizes(256, 8, 32)
+# bench/throughput.py --preset 8b (what bench/gpu_check.sh runs): sizing only.
+THROUGHPUT_8B = EngineSizes(2048, 256, 8192)
 
 
 class Target(NamedTuple):
@@ -76,12 +73,6 @@ def _topology_devices(text: str, topology: str) -> tuple[jax.Device, ...]:
     """Compile-only devices; one set per topology, since each call makes new devices."""
     desc = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=text)
     return tuple(desc.devices)
-
-
-def eight_b_spec() -> ModelSpec:
-    from bench.common import PRESETS
-
-    return spec_from_hf_config(PRESETS["8b"].hf_config() | {"max_position_embeddings": 8192})
 
 
 def _bytes(tree: Any) -> int:
@@ -212,11 +203,14 @@ def _big_shapes(arrays: list[jax.ShapeDtypeStruct]) -> set[str]:
     return {",".join(map(str, s)) for s in shapes if len(s) > 1}
 
 
-def check_tensor_parallel(spec: ModelSpec, tp: int, num_tokens: int, target: Target):
-    """One forward over `tp` devices: shard_map bodies, collectives, Triton operands."""
-    loaded = model_on(spec, jnp.bfloat16, target.devices(f"1x1x{tp}"))
+def check_tensor_parallel(spec: ModelSpec, topology: str, num_tokens: int, target: Target):
+    """One forward over a topology's devices ("1x1x4": 4 in this process, "1x2x1": one in
+    each of 2 processes): shard_map bodies, collectives, Triton operands."""
+    devices = target.devices(topology)
+    tp = len(devices)
+    loaded = model_on(spec, jnp.bfloat16, devices)
     size, _, _ = kv_cache_for(loaded, EIGHT_B, target)
-    runner = build_runner(loaded, EIGHT_B, size.num_blocks, target.devices(f"1x1x{tp}")[0])
+    runner = build_runner(loaded, EIGHT_B, size.num_blocks, devices[0])
     p = runner.compile_forward(num_tokens)
     compiled = p.compiled.as_text()
     big = _big_shapes([*jax.tree.leaves(loaded.params), runner.caches[0][0]])
@@ -224,6 +218,8 @@ def check_tensor_parallel(spec: ModelSpec, tp: int, num_tokens: int, target: Tar
     s = loaded.spec
     return dict(
         tp=tp,
+        topology=topology,
+        processes=len({d.process_index for d in devices}),
         label=p.label,
         seconds=round(p.seconds, 2),
         num_layers=s.num_layers,
@@ -235,7 +231,7 @@ def check_tensor_parallel(spec: ModelSpec, tp: int, num_tokens: int, target: Tar
         collectives=collectives,
         weight_or_cache_moved=[c for c in collectives if any(_dims(x) in big for x in c[1])],
         kv_tokens=size.num_tokens,
-        kernels=kernel_rows(f"8b tp={tp}", p, target),
+        kernels=kernel_rows(f"8b {topology}", p, target),
     )
 
 
@@ -259,106 +255,3 @@ def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, An
     p = CompiledProgram("attention", str(knobs), lowered, lowered.compile(), 0.0)
     p = p._replace(seconds=time.perf_counter() - start)
     return kernel_rows("bad launch", p, target)
-
-
-def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
-    return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
-
-
-SECTIONS = ("8b", "tiny", "tp", "bad")
-# The TP programs keep the 8B shapes but 4 of its 32 layers: every layer compiles to the
-# same program, and compile time grows with the layer count.
-TP_LAYERS = 4
-
-
-def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = dict(models=[], tensor_parallel=[], bad_launches={})
-    start = time.perf_counter()
-    if "8b" in sections:
-        report["models"].append(
-            check_model("8b bf16", eight_b_spec(), jnp.bfloat16, EIGHT_B, target, args.buckets)
-        )
-    for arch, spec in tiny_specs(args.tiny).items() if "tiny" in sections else ():
-        for dtype in (jnp.bfloat16, jnp.float32):
-            name = f"{arch} {jnp.dtype(dtype).name}"
-            report["models"].append(check_model(name, spec, dtype, TINY, target))
-    tp_spec = dataclasses.replace(eight_b_spec(), num_layers=TP_LAYERS)
-    for tp in args.tp if "tp" in sections else ():
-        report["tensor_parallel"].append(check_tensor_parallel(tp_spec, tp, args.tp_tokens, target))
-    for name, knobs in BAD_LAUNCHES.items() if "bad" in sections else ():
-        report["bad_launches"][name] = check_bad_launch(knobs, target)
-    report["seconds"] = round(time.perf_counter() - start, 1)
-    report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
-    report["utilization"] = UTILIZATION
-    return report
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def summary(report: dict[str, Any]) -> str:
-    lines = [f"deviceless XLA:GPU compile for an H200 ({GPU_ARCH}), {report['seconds']} s"]
-    for m in report["models"]:
-        for p in m["programs"]:
-            lines.append(
-                f"  {m['model']:14} {p['program']:12} {p['label'][:58]:58} {p['seconds']:5.1f} s"
-                f"  temp {_mib(p['temp_bytes'])}"
-            )
-    for m in report["models"] + report["tensor_parallel"]:
-        for k in m["kernels"]:
-            lines.append(
-                f"  ptxas {k['model']:14} {k['label'][:48]:48} {k['kernel_name']:22} "
-                f"{k['registers']:3} regs {k['spill_bytes']} B spilled "
-                f"{k['shared_bytes']:6} B smem {'; '.join(k['problems']) or 'ok'}"
-            )
-    limit = int(report["target"]["memory_bytes"] * report["utilization"])
-    for m in report["models"]:
-        if m["model"] != "8b bf16":
-            continue
-        mem = m["memory"]
-        lines.append(
-            f"  memory 8b: weights {_mib(mem['weight_bytes'])} + KV {mem['num_blocks']} blocks "
-            f"+ step {_mib(mem['transient_bytes'])} (reserve {_mib(mem['reserve_bytes'])}) "
-            f"= {_mib(mem['peak_bytes'])} of {_mib(limit)}"
-        )
-        lines.append(f"  GPU KV cache size: {mem['kv_tokens']} tokens (8b, one H200)")
-    for t in report["tensor_parallel"]:
-        lines.append(
-            f"  tp={t['tp']}: {t['manual_computations']} shard_map bodies, triton q operand "
-            f"{t['triton_operands'][0][0]}, collectives {sorted({c[0] for c in t['collectives']})}"
-            f", {t['kv_tokens']} KV tokens per replica, {t['seconds']} s"
-        )
-    for name, kernels in report["bad_launches"].items():
-        lines.append(f"  bad launch {name}: {[k['problems'] for k in kernels]}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, required=True, help="GpuTargetConfigProto text")
-    parser.add_argument("--tiny", type=Path, nargs="*", default=[], help="checkpoint dirs")
-    parser.add_argument("--buckets", type=int, nargs="*", help="8b token buckets (all if unset)")
-    parser.add_argument("--tp", type=int, nargs="*", default=[2, 4, 8])
-    parser.add_argument("--tp-tokens", type=int, default=64)
-    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--report", type=Path, required=True)
-    args = parser.parse_args(argv)
-    assert jax_triton_ready(), "set JVLLM_TRITON_COMPUTE_CAPABILITY and install jax-triton"
-    target = Target.read(args.target)
-    report = run(target, args.sections, args)
-    args.report.write_text(json.dumps(report, indent=1))
-    print(summary(report), flush=True)
-
-
-def jax_triton_ready() -> bool:
-    import importlib.util
-
-    from jvllm.kernels import jax_triton_attention
-
-    found = importlib.util.find_spec("jax_triton") is not None
-    return found and jax_triton_attention.compute_capability() is not None
-
-
-if __name__ == "__main__":
-    main()
