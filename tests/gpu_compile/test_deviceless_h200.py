@@ -10,6 +10,7 @@ Skipped only when those wheels cannot be installed at all (no network).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -35,9 +36,10 @@ TIMEOUT_S = 600
 DTYPES = ("bfloat16", "float32")
 
 
-def deviceless_site() -> tuple[Path, str]:
-    """The folder holding the wheels, installed on first use (skips if pip cannot), and
-    how it was found."""
+@functools.cache  # one try per session: a failed install is not retried by every test
+def deviceless_site() -> tuple[Path | None, str]:
+    """The folder holding the wheels, installed on first use (None if pip cannot), and
+    how it was found or why not."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
     site = CACHE / f"jax-{jax.__version__}-{version}"
     stamp = "\n".join(REQUIREMENTS)
@@ -46,10 +48,11 @@ def deviceless_site() -> tuple[Path, str]:
     partial = site.with_name(site.name + ".partial")
     subprocess.run(["rm", "-rf", str(partial), str(site)], check=True)
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)]
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--retries", "2"]
+    cmd += ["--target", str(partial)]
     done = subprocess.run([*cmd, *REQUIREMENTS], capture_output=True, text=True, timeout=900)
     if done.returncode:
-        pytest.skip(f"cannot install {' '.join(REQUIREMENTS)}: {done.stderr[-600:]}")
+        return None, f"cannot install {' '.join(REQUIREMENTS)}: {done.stderr[-600:]}"
     (partial / "REQUIREMENTS").write_text(stamp)
     partial.rename(site)
     return site, f"installed {' '.join(REQUIREMENTS)} in {time.perf_counter() - start:.0f} s"
@@ -83,6 +86,8 @@ def _merge(parts: list[dict]) -> dict:
 @pytest.fixture(scope="module")
 def report(checkpoints, tmp_path_factory, pytestconfig) -> dict:
     site, how = deviceless_site()
+    if site is None:
+        pytest.skip(how)
     tmp = tmp_path_factory.mktemp("deviceless")
     start = time.perf_counter()
     outs = [tmp / f"{'-'.join(s)}.json" for s in PROCESSES]
