@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,11 +47,15 @@ def deviceless_site() -> tuple[Path | None, str]:
     if (site / "REQUIREMENTS").is_file() and (site / "REQUIREMENTS").read_text() == stamp:
         return site, f"wheels cached in {site}"
     partial = site.with_name(site.name + ".partial")
-    subprocess.run(["rm", "-rf", str(partial), str(site)], check=True)
+    for stale in (partial, site):
+        shutil.rmtree(stale, ignore_errors=True)
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--retries", "2"]
     cmd += ["--target", str(partial)]
-    done = subprocess.run([*cmd, *REQUIREMENTS], capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run([*cmd, *REQUIREMENTS], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return None, f"pip install {' '.join(REQUIREMENTS)} took over 900 s"
     if done.returncode:
         return None, f"cannot install {' '.join(REQUIREMENTS)}: {done.stderr[-600:]}"
     (partial / "REQUIREMENTS").write_text(stamp)
