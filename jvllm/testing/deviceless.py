@@ -16,6 +16,7 @@ import functools
 import math
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -177,7 +178,12 @@ def memory_fit(
 
 
 def check_model(
-    name: str, spec: ModelSpec, dtype: Any, sizes: EngineSizes, target: Target, buckets=None
+    name: str,
+    spec: ModelSpec,
+    dtype: Any,
+    sizes: EngineSizes,
+    target: Target,
+    buckets: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Warm-up's programs for one device, their kernels, and the memory they need."""
     loaded = model_on(spec, dtype, target.devices())
@@ -203,7 +209,9 @@ def _big_shapes(arrays: list[jax.ShapeDtypeStruct]) -> set[str]:
     return {",".join(map(str, s)) for s in shapes if len(s) > 1}
 
 
-def check_tensor_parallel(spec: ModelSpec, topology: str, num_tokens: int, target: Target):
+def check_tensor_parallel(
+    spec: ModelSpec, topology: str, num_tokens: int, target: Target
+) -> dict[str, Any]:
     """One forward over a topology's devices ("1x1x4": 4 in this process, "1x2x1": one in
     each of 2 processes): shard_map bodies, collectives, Triton operands."""
     devices = target.devices(topology)
