@@ -3,7 +3,9 @@
 # triton 3.6, torch preinstalled, no network): installs the carried wheels the image lacks
 # (jax-triton at least) and jvllm itself, then runs the `gpu` tests, the decode-attention
 # kernel benchmark and, when bench/throughput.py exists, the 8B throughput benchmark;
-# prints a short table last. About 8 minutes; each step has a time limit.
+# prints a short table last, with the predictions that tests/gpu_compile made without a GPU
+# (bench/results/deviceless_h200.json: kernel registers, spills and shared memory, KV-cache
+# blocks) beside what this GPU reports. About 8 minutes; each step has a time limit.
 #
 # Here, once, from the repository root (.whl/ is git-ignored; the image has jax 0.11,
 # triton 3.6 and absl-py, which is what jax-triton 0.3.1 needs):
@@ -86,5 +88,8 @@ print(kernel.report(json.load(open('$RESULTS/kernel.json'))))"
 else
   tail -5 "$LOGS/kernel.log"
 fi
+echo "=== deviceless predictions (tests/gpu_compile, no GPU) | this GPU"
+timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.json" 2>&1 |
+  tee "$LOGS/predictions.log" | grep -v "^W\|^I0"
 echo "=== steps ($((SECONDS))s in all)"
 printf '%s\n' "${SUMMARY[@]}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +25,7 @@ from jvllm.models.spec import ModelSpec
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
+from jvllm.runner import memory
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.sampling_params import MAX_LOGPROBS
 
@@ -114,31 +114,31 @@ class EngineArgs:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         spec = loaded.spec
-        per_block = (
-            2
-            * spec.num_layers
-            * cache.block_size
-            * spec.num_kv_heads
-            * spec.head_dim
-            * loaded.dtype.itemsize
-            // self.tensor_parallel_size  # each device holds its KV heads only
+        per_block = memory.kv_block_bytes(
+            spec, cache.block_size, loaded.dtype.itemsize, self.tensor_parallel_size
         )
         stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:
             # Free device memory after the weights, less a margin for activations.
-            activations = 4 * scheduler.max_num_batched_tokens * spec.vocab_size * 4
-            budget = (
-                stats["bytes_limit"] * cache.gpu_memory_utilization
-                - stats.get("bytes_in_use", 0)
-                - activations
+            reserve = memory.activation_reserve(scheduler.max_num_batched_tokens, spec.vocab_size)
+            budget = memory.gpu_budget(
+                stats["bytes_limit"],
+                stats.get("bytes_in_use", 0),
+                cache.gpu_memory_utilization,
+                reserve,
             )
         else:
             budget = self.cpu_kv_cache_bytes
-        # More blocks than every sequence at full length can use would be idle memory.
-        useful = scheduler.max_num_seqs * math.ceil(scheduler.max_model_len / cache.block_size)
-        num_blocks = min(int(budget // per_block), useful) + 1  # + the null block
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks - 1, cache.block_size)
-        return num_blocks
+        size = memory.kv_cache_size(
+            budget, per_block, cache.block_size, scheduler.max_num_seqs, scheduler.max_model_len
+        )
+        logger.info(
+            "GPU KV cache size: %d tokens (%d blocks of %d)",
+            size.num_tokens,
+            size.num_blocks - 1,
+            cache.block_size,
+        )
+        return size.num_blocks
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:

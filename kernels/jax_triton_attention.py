@@ -5,12 +5,29 @@ a jitted JAX step, with the same signature and contract as `reference.paged_atte
 Not the kernels themselves (`triton_attention`) nor the choice of backend
 (`jvllm.layers.attention`). jax-triton raises ImportError on a CPU-only jaxlib, so it
 is imported inside the call, on the GPU path only.
+
+jax-triton compiles each kernel for the compute capability it reads from the device. A
+compile-only device (an XLA:GPU target description, no GPU) has none to give, so
+`JVLLM_TRITON_COMPUTE_CAPABILITY` (e.g. "90" for an H100/H200) names it instead; unset,
+the device decides. tests/gpu_compile sets it to build the step for an H200 on a CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
+
+
+def compute_capability() -> int | None:
+    """The override of the target's compute capability (major * 10 + minor), if set."""
+    value = os.environ.get("JVLLM_TRITON_COMPUTE_CAPABILITY", "")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"JVLLM_TRITON_COMPUTE_CAPABILITY must be digits like 90, got {value!r}")
+    return int(value)
 
 
 def paged_attention(
@@ -64,6 +81,7 @@ def paged_attention(
     )
     metadata = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start_loc)]
     split = cfg.num_splits > 1
+    target = compute_capability()
     part_out, part_lse = ta.partial_shapes(cfg, q.shape)
     out_shapes = (
         jax.ShapeDtypeStruct(part_out if split else q.shape, jnp.float32 if split else q.dtype),
@@ -79,6 +97,7 @@ def paged_attention(
         grid=ta.attention_grid(cfg, num_tokens, num_seqs, num_kv_heads),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        compute_capability=target,
         **params,
     )
     if not split:
@@ -90,5 +109,6 @@ def paged_attention(
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=ta.merge_grid(num_tokens, num_heads),
         num_warps=cfg.num_warps,
+        compute_capability=target,
         **ta.merge_params(cfg, q.shape),
     )

@@ -1,0 +1,163 @@
+"""Ahead-of-time compilation of the runner's step programs for devices it need not have.
+
+Owns `CompileOnlyRunner`: a `ModelRunner` built from abstract parameters (shapes,
+dtypes and shardings, no values) whose jitted programs are lowered and compiled for a
+target instead of run. Its `warm_up()` is the runner's own, so it compiles exactly the
+programs the engine compiles at start-up, with the runner's own packing and bucket
+sizes. The target may be a compile-only device: an XLA:GPU topology built from a GPU
+target description on a machine without a GPU (tests/gpu_compile builds an H200).
+
+What it relies on in `ModelRunner`, and nothing more: every device program is an
+attribute ending in `_fn` made with `jax.jit`; device arrays are made only by
+`_allocate_cache` (the KV cache) and `_put` (host arrays to the device). Here the cache
+is ShapeDtypeStructs, `_put` keeps host arrays on the host, and each `_fn` call places
+its host arguments on the target (replicated on a mesh), compiles once per distinct
+signature, and returns the outputs as ShapeDtypeStructs for the next program.
+Not owned: checking what was compiled (jvllm.testing.deviceless).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from jvllm.layers.attention import KVCache
+from jvllm.models.loader import LoadedModel, abstract_params, hf_name
+from jvllm.models.registry import model_class
+from jvllm.models.spec import ModelSpec
+from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated, sharded_spec
+from jvllm.runner.model_runner import ModelRunner
+
+
+class CompiledProgram(NamedTuple):
+    name: str  # the runner attribute without `_fn`: forward, sample, ...
+    label: str  # what tells this program apart from others of its name (bucket sizes)
+    lowered: jax.stages.Lowered
+    compiled: jax.stages.Compiled
+    seconds: float  # lowering and compiling
+
+
+def abstract_model(
+    spec: ModelSpec, dtype: Any, backend: str, mesh: Mesh | None, device: jax.Device
+) -> LoadedModel:
+    """A LoadedModel whose params are ShapeDtypeStructs placed as `load_model` places them:
+    on `device`, or on a mesh split by `partition_spec`."""
+    tp = 1 if mesh is None else mesh.devices.size
+    built = sharded_spec(spec, tp)
+    module = model_class(spec.architecture)(spec=built, dtype=dtype, backend=backend, mesh=mesh)
+
+    def place(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if mesh is None:
+            sharding = SingleDeviceSharding(device)
+        else:
+            name = hf_name(tuple(k.key for k in path))
+            sharding = NamedSharding(mesh, partition_spec(name, leaf.ndim, spec, tp))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    params = jax.tree_util.tree_map_with_path(place, abstract_params(module, built))
+    return LoadedModel(built, module, params, jnp.dtype(dtype), {})
+
+
+def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Static keyword arguments (the forward's BatchShape), else the last array's shape."""
+    if kwargs:
+        return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    leaves = jax.tree.leaves(args)
+    return "x".join(map(str, leaves[-1].shape)) if leaves else ""
+
+
+def _devices(args: Any) -> str:
+    """Where a program runs: the same StableHLO over other devices is another program."""
+    shardings = [x.sharding for x in jax.tree.leaves(args) if getattr(x, "sharding", None)]
+    return str(sorted({(d.id, d.process_index) for s in shardings for d in s.device_set}))
+
+
+def _signature(x: Any) -> Any:
+    return (x.shape, x.dtype, x.sharding) if hasattr(x, "shape") else x
+
+
+class _CompileOnCall:
+    """Stands in for one jitted program: a call compiles it for the target, once."""
+
+    def __init__(self, runner: CompileOnlyRunner, name: str, jitted: Callable[..., Any]):
+        self.runner, self.name, self.jitted = runner, name, jitted
+        self.outputs: dict[str, Any] = {}  # signature -> output ShapeDtypeStructs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = jax.tree.map(self.runner.to_target, (args, kwargs))
+        signature = str(jax.tree.map(_signature, (args, kwargs)))
+        if signature not in self.outputs:
+            start = time.perf_counter()
+            lowered = self.jitted.lower(*args, **kwargs)
+            program = hashlib.sha256(lowered.as_text().encode()).hexdigest() + _devices(args)
+            shared = self.runner.shared_compiles
+            if program not in shared:  # another runner may have built the very same program
+                shared[program] = lowered.compile()
+            seconds = time.perf_counter() - start
+            label = _describe(args, kwargs)
+            self.runner.programs.append(
+                CompiledProgram(self.name, label, lowered, shared[program], seconds)
+            )
+            self.outputs[signature] = shared[program].out_info
+        return self.outputs[signature]
+
+
+class CompileOnlyRunner(ModelRunner):
+    """A ModelRunner that compiles its programs for the devices of `loaded.params` and
+    never runs them; `programs` lists what was compiled, in order (a program another
+    runner in `shared_compiles` already built is listed with its lowering time only)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: jax.Device,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        mesh: Mesh | None = None,
+        shared_compiles: dict[str, jax.stages.Compiled] | None = None,
+    ) -> None:
+        self.device = device  # the target when there is no mesh
+        self.programs: list[CompiledProgram] = []
+        # StableHLO digest and devices -> executable, shareable between runners.
+        self.shared_compiles = {} if shared_compiles is None else shared_compiles
+        sizes = (num_blocks, block_size, max_model_len, max_num_seqs, max_num_batched_tokens)
+        super().__init__(loaded, *sizes, mesh)
+        for attribute, value in list(vars(self).items()):
+            if attribute.endswith("_fn") and hasattr(value, "lower"):
+                name = attribute.strip("_").removesuffix("_fn")  # _forward_fn -> forward
+                setattr(self, attribute, _CompileOnCall(self, name, value))
+
+    def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
+        s = self.spec
+        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        sharding = cache_sharding(self.mesh) or SingleDeviceSharding(self.device)
+        sds = jax.ShapeDtypeStruct(shape, self.model.dtype, sharding=sharding)
+        return [(sds, sds) for _ in range(s.num_layers)]
+
+    def _put(self, tree: Any) -> Any:
+        return tree  # host arrays stay numpy until a program call places them (to_target)
+
+    def to_target(self, x: Any) -> Any:
+        """A host array as it would arrive on the target; anything else unchanged."""
+        if not isinstance(x, np.ndarray | np.generic):
+            return x
+        mesh = self.mesh
+        sharding = SingleDeviceSharding(self.device) if mesh is None else replicated(mesh)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    def compile_forward(self, num_tokens: int) -> CompiledProgram:
+        """Compiles only the forward of the bucket holding `num_tokens` (no warm-up)."""
+        before = len(self.programs)
+        self._run_forward([], self.batch_shape(num_tokens))
+        assert len(self.programs) == before + 1, "already compiled"
+        return self.programs[-1]

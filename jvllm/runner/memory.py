@@ -1,0 +1,57 @@
+"""KV-cache sizing: how many cache blocks fit in what a device has left.
+
+Owns the arithmetic of vLLM's sizing rule: the engine may use `gpu_memory_utilization`
+of the device's memory; the weights are already there; a reserve is kept for one step's
+activations; the KV cache gets the rest, in whole blocks, never more blocks than every
+sequence at full length could use. It reads no device: the caller passes the numbers (a
+GPU's `memory_stats()` at start-up, or a compile-only device's memory size and compiled
+programs in tests/gpu_compile), so the same rule is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from jvllm.models.spec import ModelSpec
+
+
+class KVCacheSize(NamedTuple):
+    num_blocks: int  # blocks to allocate, the null block 0 included
+    block_size: int  # tokens per block
+    block_bytes: int  # one block's K and V over every layer, on one device
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds for requests (vLLM's "GPU KV cache size: N tokens")."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, itemsize: int, tp: int) -> int:
+    """Bytes of one block on one device; each of the `tp` devices holds its KV heads only.
+
+    `spec` is the model as built (KV heads already replicated up to `tp` where fewer)."""
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize // tp
+
+
+def activation_reserve(max_num_batched_tokens: int, vocab_size: int) -> int:
+    """Bytes kept back for one step's activations: four float32 `[T, V]` arrays.
+
+    At the largest bucket the logits-sized arrays dominate (every token's log-softmax
+    for prompt logprobs, the sampler's copies); tests/gpu_compile checks this bound
+    against the compiled programs' temporaries and outputs for an 8B model on an H200."""
+    return 4 * max_num_batched_tokens * vocab_size * 4
+
+
+def gpu_budget(bytes_limit: int, bytes_in_use: int, utilization: float, reserve: int) -> int:
+    """Bytes left for the KV cache on one device."""
+    return int(bytes_limit * utilization) - bytes_in_use - reserve
+
+
+def kv_cache_size(
+    budget_bytes: int, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int
+) -> KVCacheSize:
+    """Whole blocks within the budget, capped at what every sequence at full length uses."""
+    useful = max_num_seqs * math.ceil(max_model_len / block_size)
+    fitting = max(0, budget_bytes // block_bytes)
+    return KVCacheSize(min(fitting, useful) + 1, block_size, block_bytes)  # + the null block

@@ -1,0 +1,265 @@
+"""The deviceless checks: the engine's step programs built for NVIDIA H200s without a GPU.
+
+Owns XLA:GPU compile-only devices from a GPU target description
+(`jax.experimental.topologies`) and one check per question, each returning plain facts
+(JSON-ready dicts): every program the runner's warm-up compiles for one model on one
+device (via `jvllm.runner.aot`), with ptxas on its Triton kernels and the KV-cache sizing
+rule against the compiled programs' memory; one tensor-parallel forward over a topology's
+devices; and a launch configuration known to be bad. Not owned: which models and sizes
+to check, the report and the command line (jvllm.testing.deviceless_cli), the assertions
+(tests/gpu_compile). Needs the CUDA PJRT plugin and jax-triton importable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+from jvllm.models.loader import LoadedModel
+from jvllm.models.spec import ModelSpec
+from jvllm.parallel.mesh import make_mesh
+from jvllm.runner import memory
+from jvllm.runner.aot import CompiledProgram, CompileOnlyRunner, abstract_model
+from jvllm.testing import triton_ptx
+
+GPU_ARCH = "sm_90a"
+UTILIZATION = 0.9
+# Collective ops of compiled XLA:GPU HLO (the async forms end in -start).
+_COLLECTIVE = re.compile(
+    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+class EngineSizes(NamedTuple):
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int = 16
+
+
+# Llama-3-8B served with the engine's defaults at max_model_len 8192.
+EIGHT_B = EngineSizes(8192, 256, 2048)
+# Two buckets: T=16 takes the decode launch configuration, T=32 the prefill one.
+TINY = EngineSizes(256, 8, 32)
+# bench/throughput.py --preset 8b (what bench/gpu_check.sh runs): sizing only.
+THROUGHPUT_8B = EngineSizes(2048, 256, 8192)
+
+
+class Target(NamedTuple):
+    text: str  # GpuTargetConfigProto, text format
+    memory_bytes: int  # device_memory_size
+    shared_limit: int  # shared_memory_per_block_optin
+
+    @classmethod
+    def read(cls, path: Path) -> Target:
+        text = path.read_text()
+        field = lambda name: int(re.search(rf"{name}: (\d+)", text).group(1))
+        return cls(text, field("device_memory_size"), field("shared_memory_per_block_optin"))
+
+    def devices(self, topology: str = "1x1x1") -> list[jax.Device]:
+        return list(_topology_devices(self.text, topology))
+
+
+@functools.cache
+def _topology_devices(text: str, topology: str) -> tuple[jax.Device, ...]:
+    """Compile-only devices; one set per topology, since each call makes new devices."""
+    desc = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=text)
+    return tuple(desc.devices)
+
+
+def _bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of placed ShapeDtypeStructs."""
+    leaves = jax.tree.leaves(tree)
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def _dims(shape: str) -> str:
+    """'bf16[4096,128]{1,0}' -> '4096,128'."""
+    return shape.split("[")[1].split("]")[0]
+
+
+def model_on(spec: ModelSpec, dtype: Any, devices: list[jax.Device]) -> LoadedModel:
+    mesh = make_mesh(len(devices), devices) if len(devices) > 1 else None
+    return abstract_model(spec, dtype, "triton", mesh, devices[0])
+
+
+def kv_cache_for(
+    loaded: LoadedModel, sizes: EngineSizes, target: Target
+) -> tuple[memory.KVCacheSize, int, int]:
+    """The engine's sizing rule on one device; weights from the abstract params."""
+    tp = 1 if loaded.module.mesh is None else loaded.module.mesh.devices.size
+    weights = _bytes(loaded.params)
+    block = memory.kv_block_bytes(loaded.spec, sizes.block_size, loaded.dtype.itemsize, tp)
+    reserve = memory.activation_reserve(sizes.max_num_batched_tokens, loaded.spec.vocab_size)
+    budget = memory.gpu_budget(target.memory_bytes, weights, UTILIZATION, reserve)
+    size = memory.kv_cache_size(
+        budget, block, sizes.block_size, sizes.max_num_seqs, sizes.max_model_len
+    )
+    return size, weights, reserve
+
+
+# Programs compiled so far in this process (tiny models share their sampler programs).
+_COMPILED: dict[str, jax.stages.Compiled] = {}
+
+
+def build_runner(
+    loaded: LoadedModel, sizes: EngineSizes, num_blocks: int, device: jax.Device
+) -> CompileOnlyRunner:
+    return CompileOnlyRunner(
+        loaded,
+        device,
+        num_blocks,
+        sizes.block_size,
+        sizes.max_model_len,
+        sizes.max_num_seqs,
+        sizes.max_num_batched_tokens,
+        loaded.module.mesh,
+        _COMPILED,
+    )
+
+
+def program_row(model: str, p: CompiledProgram) -> dict[str, Any]:
+    m = p.compiled.memory_analysis()
+    return dict(
+        model=model,
+        program=p.name,
+        label=p.label,
+        seconds=round(p.seconds, 2),
+        temp_bytes=m.temp_size_in_bytes,
+        argument_bytes=m.argument_size_in_bytes,
+        output_bytes=m.output_size_in_bytes,
+        alias_bytes=m.alias_size_in_bytes,
+    )
+
+
+def kernel_rows(model: str, p: CompiledProgram, target: Target) -> list[dict[str, Any]]:
+    """ptxas on each distinct kernel of a program (every layer launches the same ones)."""
+    rows: dict[bytes, dict[str, Any]] = {}
+    for call in triton_ptx.triton_calls(p.compiled.as_text()):
+        if call.ptx in rows:
+            rows[call.ptx]["launches"] += 1
+            continue
+        report = triton_ptx.assemble(call, GPU_ARCH, target.shared_limit)
+        row = dict(report._asdict(), model=model, label=p.label, problems=report.problems)
+        rows[call.ptx] = row | {"launches": 1}
+    return list(rows.values())
+
+
+def memory_fit(
+    programs: list[dict[str, Any]], size: memory.KVCacheSize, weights: int, reserve: int
+) -> dict[str, Any]:
+    """Peak use of one step: what stays resident (weights, cache) plus, as if at once,
+    the worst temporaries and fresh outputs of each program."""
+    resident = max(p["argument_bytes"] for p in programs if p["program"] == "forward")
+    worst: dict[str, int] = {}
+    for p in programs:
+        fresh = p["temp_bytes"] + p["output_bytes"] - p["alias_bytes"]
+        worst[p["program"]] = max(worst.get(p["program"], 0), fresh)
+    transient = sum(worst.values())
+    return dict(
+        num_blocks=size.num_blocks,
+        kv_tokens=size.num_tokens,
+        block_bytes=size.block_bytes,
+        weight_bytes=weights,
+        reserve_bytes=reserve,
+        resident_bytes=resident,
+        transient_bytes=transient,
+        peak_bytes=resident + transient,
+    )
+
+
+def check_model(
+    name: str,
+    spec: ModelSpec,
+    dtype: Any,
+    sizes: EngineSizes,
+    target: Target,
+    buckets: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Warm-up's programs for one device, their kernels, and the memory they need."""
+    loaded = model_on(spec, dtype, target.devices())
+    size, weights, reserve = kv_cache_for(loaded, sizes, target)
+    runner = build_runner(loaded, sizes, size.num_blocks, target.devices()[0])
+    if buckets is not None:
+        runner.token_buckets = tuple(buckets)  # a representative subset
+    runner.warm_up()
+    programs = [program_row(name, p) for p in runner.programs]
+    forwards = [p for p in runner.programs if p.name == "forward"]
+    return dict(
+        model=name,
+        buckets=list(runner.token_buckets),
+        programs=programs,
+        kernels=[k for p in forwards for k in kernel_rows(name, p, target)],
+        memory=memory_fit(programs, size, weights, reserve),
+    )
+
+
+def _big_shapes(arrays: list[jax.ShapeDtypeStruct]) -> set[str]:
+    """Dims of every weight matrix and KV cache, whole and per device: '4096,14336'."""
+    shapes = {x.shape for x in arrays} | {x.sharding.shard_shape(x.shape) for x in arrays}
+    return {",".join(map(str, s)) for s in shapes if len(s) > 1}
+
+
+def check_tensor_parallel(
+    spec: ModelSpec, topology: str, num_tokens: int, target: Target
+) -> dict[str, Any]:
+    """One forward over a topology's devices ("1x1x4": 4 in this process, "1x2x1": one in
+    each of 2 processes): shard_map bodies, collectives, Triton operands."""
+    devices = target.devices(topology)
+    tp = len(devices)
+    loaded = model_on(spec, jnp.bfloat16, devices)
+    size, _, _ = kv_cache_for(loaded, EIGHT_B, target)
+    runner = build_runner(loaded, EIGHT_B, size.num_blocks, devices[0])
+    p = runner.compile_forward(num_tokens)
+    compiled = p.compiled.as_text()
+    big = _big_shapes([*jax.tree.leaves(loaded.params), runner.caches[0][0]])
+    collectives = [(op, triton_ptx.SHAPE.findall(lhs)) for lhs, op in _COLLECTIVE.findall(compiled)]
+    s = loaded.spec
+    return dict(
+        tp=tp,
+        topology=topology,
+        processes=len({d.process_index for d in devices}),
+        label=p.label,
+        seconds=round(p.seconds, 2),
+        num_layers=s.num_layers,
+        manual_computations=p.lowered.as_text().count("sdy.manual_computation"),
+        triton_operands=[list(c.operands) for c in triton_ptx.triton_calls(compiled)],
+        expected_q=f"bf16[{num_tokens},{s.num_heads // tp},{s.head_dim}]",
+        expected_cache=f"bf16[{size.num_blocks},{EIGHT_B.block_size},"
+        f"{s.num_kv_heads // tp},{s.head_dim}]",
+        collectives=collectives,
+        weight_or_cache_moved=[c for c in collectives if any(_dims(x) in big for x in c[1])],
+        kv_tokens=size.num_tokens,
+        kernels=kernel_rows(f"8b {topology}", p, target),
+    )
+
+
+# Launch overrides known to be bad for an 8B-shaped decode on an H200 (tests of the test):
+# 128 query rows keep a 128 x 128 fp32 accumulator per 128 threads (spills); 512-key tiles
+# need more shared memory than a block may have.
+BAD_LAUNCHES = {"spills": dict(block_m=128, num_splits=1), "smem": dict(tile_n=512, num_splits=1)}
+
+
+def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, Any]]:
+    """The Triton attention alone, 64 tokens, 32/8 heads of 128, with `knobs`."""
+    from jvllm.kernels import jax_triton_attention
+
+    device = jax.sharding.SingleDeviceSharding(target.devices()[0])
+    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+    cache = arg((1024, 16, 8, 128))
+    meta = (arg((64, 128), jnp.int32), arg((64,), jnp.int32), arg((65,), jnp.int32))
+    attend = lambda q, k, v, *m: jax_triton_attention.paged_attention(q, k, v, *m, 0.1, **knobs)
+    start = time.perf_counter()
+    lowered = jax.jit(attend).lower(arg((64, 32, 128)), cache, cache, *meta)
+    p = CompiledProgram("attention", str(knobs), lowered, lowered.compile(), 0.0)
+    p = p._replace(seconds=time.perf_counter() - start)
+    return kernel_rows("bad launch", p, target)

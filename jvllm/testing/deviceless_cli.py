@@ -1,0 +1,182 @@
+"""The deviceless H200 compile of tests/gpu_compile, as one command and one report.
+
+Owns which models, sizes and topologies are checked (an 8B-shaped Llama in bf16 on one
+H200; the tiny checkpoints of every architecture in bf16 and f32; TP=2/4/8 in one
+process and TP=2 over two; the bad launches), the JSON report, its printed summary and
+the predictions that bench/gpu_check.sh prints beside a real GPU's figures. The checks
+themselves are jvllm.testing.deviceless. Run it from the repository root (the 8B shapes
+are bench.common's preset) in its own process, with JAX_PLATFORMS=cpu, the CUDA PJRT
+plugin and jax-triton importable and JVLLM_TRITON_COMPUTE_CAPABILITY set (process-wide):
+    python -m jvllm.testing.deviceless_cli --target h200.txtpb --tiny CKPT_DIR ... --report r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.models.loader import read_config
+from jvllm.models.spec import ModelSpec, spec_from_hf_config
+from jvllm.testing.deviceless import (
+    BAD_LAUNCHES,
+    EIGHT_B,
+    GPU_ARCH,
+    THROUGHPUT_8B,
+    TINY,
+    UTILIZATION,
+    Target,
+    check_bad_launch,
+    check_model,
+    check_tensor_parallel,
+    kv_cache_for,
+    model_on,
+)
+
+
+def eight_b_spec() -> ModelSpec:
+    from bench.common import PRESETS
+
+    return spec_from_hf_config(PRESETS["8b"].hf_config() | {"max_position_embeddings": 8192})
+
+
+def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
+    return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
+
+
+SECTIONS = ("8b", "tiny", "tp", "bad")
+# The TP programs keep the 8B shapes but 4 of its 32 layers: every layer compiles to the
+# same program, and compile time grows with the layer count.
+TP_LAYERS = 4
+
+
+def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = dict(models=[], tensor_parallel=[], bad_launches={})
+    start = time.perf_counter()
+    if "8b" in sections:
+        report["models"].append(
+            check_model("8b bf16", eight_b_spec(), jnp.bfloat16, EIGHT_B, target, args.buckets)
+        )
+        loaded = model_on(eight_b_spec(), jnp.bfloat16, target.devices())
+        size, _, _ = kv_cache_for(loaded, THROUGHPUT_8B, target)
+        report["throughput_8b_kv"] = dict(num_blocks=size.num_blocks, kv_tokens=size.num_tokens)
+    for arch, spec in tiny_specs(args.tiny).items() if "tiny" in sections else ():
+        for dtype in (jnp.bfloat16, jnp.float32):
+            name = f"{arch} {jnp.dtype(dtype).name}"
+            report["models"].append(check_model(name, spec, dtype, TINY, target))
+    tp_spec = dataclasses.replace(eight_b_spec(), num_layers=TP_LAYERS)
+    for topology in args.tp if "tp" in sections else ():
+        report["tensor_parallel"].append(
+            check_tensor_parallel(tp_spec, topology, args.tp_tokens, target)
+        )
+    for name, knobs in BAD_LAUNCHES.items() if "bad" in sections else ():
+        report["bad_launches"][name] = check_bad_launch(knobs, target)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
+    report["utilization"] = UTILIZATION
+    return report
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def summary(report: dict[str, Any]) -> str:
+    lines = [f"deviceless XLA:GPU compile for an H200 ({GPU_ARCH}), {report['seconds']} s"]
+    for m in report["models"]:
+        for p in m["programs"]:
+            lines.append(
+                f"  {m['model']:14} {p['program']:12} {p['label'][:58]:58} {p['seconds']:5.1f} s"
+                f"  temp {_mib(p['temp_bytes'])}"
+            )
+    for m in report["models"] + report["tensor_parallel"]:
+        for k in m["kernels"]:
+            lines.append(
+                f"  ptxas {k['model']:14} {k['label'][:48]:48} {k['kernel_name']:22} "
+                f"{k['registers']:3} regs {k['spill_bytes']} B spilled "
+                f"{k['shared_bytes']:6} B smem {'; '.join(k['problems']) or 'ok'}"
+            )
+    limit = int(report["target"]["memory_bytes"] * report["utilization"])
+    for m in report["models"]:
+        if m["model"] != "8b bf16":
+            continue
+        mem = m["memory"]
+        lines.append(
+            f"  memory 8b: weights {_mib(mem['weight_bytes'])} + KV {mem['num_blocks']} blocks "
+            f"+ step {_mib(mem['transient_bytes'])} (reserve {_mib(mem['reserve_bytes'])}) "
+            f"= {_mib(mem['peak_bytes'])} of {_mib(limit)}"
+        )
+        lines.append(f"  GPU KV cache size: {mem['kv_tokens']} tokens (8b, one H200)")
+    for t in report["tensor_parallel"]:
+        lines.append(
+            f"  tp={t['tp']} ({t['topology']}, {t['processes']} processes): "
+            f"{t['manual_computations']} shard_map bodies, triton q operand "
+            f"{t['triton_operands'][0][0]}, collectives {sorted({c[0] for c in t['collectives']})}"
+            f", {t['kv_tokens']} KV tokens per replica, {t['seconds']} s"
+        )
+    for name, kernels in report["bad_launches"].items():
+        lines.append(f"  bad launch {name}: {[k['problems'] for k in kernels]}")
+    return "\n".join(lines)
+
+
+def predictions(report: dict[str, Any]) -> dict[str, Any]:
+    """What a lent H200 should show, for bench/gpu_check.sh to print beside its figures."""
+    eight = [m for m in report["models"] if m["model"] == "8b bf16"][0]
+    keep = ("model", "label", "kernel_name", "registers", "spill_bytes", "shared_bytes")
+    kernels = [k for m in [eight, *report["tensor_parallel"]] for k in m["kernels"]]
+    return dict(
+        target=f"NVIDIA H200 {GPU_ARCH}, deviceless XLA:GPU (jax {jax.__version__})",
+        utilization=report["utilization"],
+        kernels=[{key: k[key] for key in keep} for k in kernels],
+        kv_cache_8b=dict(eight["memory"], sizes=EIGHT_B._asdict()),
+        kv_cache_throughput_8b=dict(report["throughput_8b_kv"], sizes=THROUGHPUT_8B._asdict()),
+        tensor_parallel_kv_tokens={
+            t["topology"]: t["kv_tokens"] for t in report["tensor_parallel"]
+        },
+        programs=[
+            dict(
+                model=p["model"],
+                program=p["program"],
+                label=p["label"],
+                seconds=p["seconds"],
+                temp_bytes=p["temp_bytes"],
+            )
+            for p in eight["programs"]
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, required=True, help="GpuTargetConfigProto text")
+    parser.add_argument("--tiny", type=Path, nargs="*", default=[], help="checkpoint dirs")
+    parser.add_argument("--buckets", type=int, nargs="*", help="8b token buckets (all if unset)")
+    parser.add_argument("--tp", nargs="*", default=["1x1x2", "1x1x4", "1x1x8", "1x2x1"])
+    parser.add_argument("--tp-tokens", type=int, default=64)
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--report", type=Path, required=True)
+    args = parser.parse_args(argv)
+    assert jax_triton_ready(), "set JVLLM_TRITON_COMPUTE_CAPABILITY and install jax-triton"
+    target = Target.read(args.target)
+    report = run(target, args.sections, args)
+    args.report.write_text(json.dumps(report, indent=1))
+    print(summary(report), flush=True)
+
+
+def jax_triton_ready() -> bool:
+    import importlib.util
+
+    from jvllm.kernels import jax_triton_attention
+
+    found = importlib.util.find_spec("jax_triton") is not None
+    return found and jax_triton_attention.compute_capability() is not None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The GPU path built for an NVIDIA H200 in CI, without a GPU (jvllm.testing.deviceless_cli).
+
+The compile runs in subprocesses with their own packages: the CUDA PJRT plugin at this
+jax's version, jax-triton, and the triton the GPU machine runs (3.6: triton 3.9 emits
+PTX that the CUDA 12.8 ptxas rejects), installed once with `pip install --target` into
+~/.cache/jvllm/deviceless and put first on PYTHONPATH, so that this venv's triton (the
+interpreter tests need it) stays as it is. Two processes split the work over two cores.
+Skipped only when those wheels cannot be installed at all (no network).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = Path(__file__).with_name("h200.txtpb")
+CACHE = Path(os.environ.get("JVLLM_DEVICELESS_CACHE", Path.home() / ".cache/jvllm/deviceless"))
+REQUIREMENTS = (
+    f"jax-cuda12-plugin=={jax.__version__}",
+    f"jax-cuda12-pjrt=={jax.__version__}",
+    "jax-triton==0.3.1",
+    "triton==3.6.*",
+)
+EIGHT_B_BUCKETS = (16, 256, 2048)  # smallest, a middle one, the largest of 16..2048
+PROCESSES = (("8b",), ("tiny", "tp", "bad"))  # the 8B alone takes about as long as the rest
+TIMEOUT_S = 600
+DTYPES = ("bfloat16", "float32")
+
+
+@functools.cache  # one try per session: a failed install is not retried by every test
+def deviceless_site() -> tuple[Path | None, str]:
+    """The folder holding the wheels, installed on first use (None if pip cannot), and
+    how it was found or why not."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    site = CACHE / f"jax-{jax.__version__}-{version}"
+    stamp = "\n".join(REQUIREMENTS)
+    if (site / "REQUIREMENTS").is_file() and (site / "REQUIREMENTS").read_text() == stamp:
+        return site, f"wheels cached in {site}"
+    partial = site.with_name(site.name + ".partial")
+    for stale in (partial, site):
+        shutil.rmtree(stale, ignore_errors=True)
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--retries", "2"]
+    cmd += ["--target", str(partial)]
+    try:
+        done = subprocess.run([*cmd, *REQUIREMENTS], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return None, f"pip install {' '.join(REQUIREMENTS)} took over 900 s"
+    if done.returncode:
+        return None, f"cannot install {' '.join(REQUIREMENTS)}: {done.stderr[-600:]}"
+    (partial / "REQUIREMENTS").write_text(stamp)
+    partial.rename(site)
+    return site, f"installed {' '.join(REQUIREMENTS)} in {time.perf_counter() - start:.0f} s"
+
+
+def _start(site: Path, sections: tuple[str, ...], tiny: list[Path], out: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XLA_FLAGS")}
+    path = [str(site), str(REPO), env.get("PYTHONPATH", "")]
+    env |= dict(
+        PYTHONPATH=os.pathsep.join(p for p in path if p),
+        JAX_PLATFORMS="cpu",  # the CUDA plugin still registers: compile-only devices
+        JVLLM_TRITON_COMPUTE_CAPABILITY="90",
+    )
+    cmd = [sys.executable, "-m", "jvllm.testing.deviceless_cli", "--target", str(TARGET)]
+    cmd += ["--sections", *sections, "--report", str(out), "--tiny", *map(str, tiny)]
+    cmd += ["--buckets", *map(str, EIGHT_B_BUCKETS)]
+    with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _merge(parts: list[dict]) -> dict:
+    report = dict(parts[0], models=[], tensor_parallel=[], bad_launches={})
+    for part in parts:
+        report["models"] += part["models"]
+        report["tensor_parallel"] += part["tensor_parallel"]
+        report["bad_launches"] |= part["bad_launches"]
+    report["seconds"] = max(p["seconds"] for p in parts)
+    return report | {k: v for p in parts for k, v in p.items() if k == "throughput_8b_kv"}
+
+
+@pytest.fixture(scope="module")
+def report(checkpoints, tmp_path_factory, pytestconfig) -> dict:
+    site, how = deviceless_site()
+    if site is None:
+        pytest.skip(how)
+    tmp = tmp_path_factory.mktemp("deviceless")
+    start = time.perf_counter()
+    outs = [tmp / f"{'-'.join(s)}.json" for s in PROCESSES]
+    procs = [
+        _start(site, s, list(checkpoints.values()), o) for s, o in zip(PROCESSES, outs, strict=True)
+    ]
+    for proc, out in zip(procs, outs, strict=True):
+        try:
+            rc = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        assert rc == 0, f"{out.stem}: rc={rc}\n{out.with_suffix('.log').read_text()[-4000:]}"
+    from jvllm.testing.deviceless_cli import predictions, summary
+
+    merged = _merge([json.loads(o.read_text()) for o in outs])
+    if os.environ.get("JVLLM_DEVICELESS_PREDICTIONS"):  # bench/results/deviceless_h200.json
+        predicted = json.dumps(predictions(merged), indent=1)
+        Path(os.environ["JVLLM_DEVICELESS_PREDICTIONS"]).write_text(predicted + "\n")
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{how}\n{summary(merged)}\n  wall time {time.perf_counter() - start:.0f} s")
+    return merged
+
+
+def _models(report: dict, prefix: str) -> list[dict]:
+    return [m for m in report["models"] if m["model"].startswith(prefix)]
+
+
+def test_every_warm_up_program_compiles(report):
+    """Each bucket's forward and all-logprobs program, the sampler, the block copy."""
+    names = [m["model"] for m in report["models"]]
+    tiny = [f"{a} {d}" for a in ("llama", "mistral", "qwen2", "qwen3") for d in DTYPES]
+    assert names == ["8b bf16", *tiny]
+    for m in report["models"]:
+        programs = [p["program"] for p in m["programs"]]
+        forwards = [p["label"] for p in m["programs"] if p["program"] == "forward"]
+        assert len(forwards) == len(m["buckets"]) == programs.count("all_logprobs"), m["model"]
+        assert all(f"num_tokens={t}," in f for f, t in zip(forwards, m["buckets"], strict=True)), (
+            forwards
+        )
+        assert "sample" in programs and programs[-1] == "copy", programs
+    assert _models(report, "8b")[0]["buckets"] == list(EIGHT_B_BUCKETS)
+
+
+def test_triton_kernels_neither_spill_nor_overflow_shared_memory(report):
+    kernels = [k for m in report["models"] + report["tensor_parallel"] for k in m["kernels"]]
+    assert {k["kernel_name"] for k in kernels} == {"paged_attention_kernel", "merge_splits_kernel"}
+    bad = [(k["model"], k["label"], k["kernel_name"], k["problems"]) for k in kernels]
+    assert [b for b in bad if b[3]] == []
+    assert all(0 < k["registers"] <= 255 and k["spill_bytes"] == 0 for k in kernels)
+
+
+def test_the_check_catches_bad_launch_configurations(report):
+    """A test of the test: these launches compile, and only ptxas's report shows why not."""
+    spills, smem = report["bad_launches"]["spills"], report["bad_launches"]["smem"]
+    assert spills and all(k["spill_bytes"] > 0 for k in spills)
+    assert any("spills" in p for k in spills for p in k["problems"])
+    assert any(k["shared_bytes"] > k["shared_limit"] for k in smem)
+    assert any("shared memory" in p for k in smem for p in k["problems"])
+
+
+def test_8b_kv_cache_sizing_fits_an_h200(report):
+    """The engine's sizing rule at gpu_memory_utilization=0.9, checked on what XLA
+    compiled: weights and the cache it chose, plus every program's temporaries and fresh
+    outputs at once, fit; the activation reserve covers those temporaries."""
+    mem = _models(report, "8b")[0]["memory"]
+    limit = report["target"]["memory_bytes"] * report["utilization"]
+    assert mem["peak_bytes"] <= limit, mem
+    assert mem["transient_bytes"] <= mem["reserve_bytes"], mem
+    # Resident = weights + the cache (+ the small packed input), nothing else.
+    cache = (mem["num_blocks"]) * mem["block_bytes"]
+    assert 0 <= mem["resident_bytes"] - mem["weight_bytes"] - cache < 1 << 20, mem
+    assert mem["kv_tokens"] > 500_000  # vLLM reports ~8e5 tokens for Llama-3-8B on an H200
+
+
+def test_tensor_parallel_attention_runs_on_each_devices_heads(report):
+    """TP=2/4/8 in one process and TP=2 over two: attention and the vocab projection are
+    shard_map bodies; the Triton kernels get per-device q and caches; only activations
+    and logits cross devices."""
+    tps = [(t["tp"], t["processes"]) for t in report["tensor_parallel"]]
+    assert tps == [(2, 1), (4, 1), (8, 1), (2, 2)]
+    for t in report["tensor_parallel"]:
+        assert t["manual_computations"] == t["num_layers"] + 1, t["tp"]
+        attention = [ops for ops in t["triton_operands"] if len(ops) == 6]
+        assert len(attention) == t["num_layers"], t["tp"]
+        for q, k_cache, v_cache, *_ in attention:
+            assert (q, k_cache, v_cache) == (t["expected_q"], *[t["expected_cache"]] * 2)
+        assert t["weight_or_cache_moved"] == [], t["weight_or_cache_moved"][:4]
+        assert {op for op, _ in t["collectives"]} <= {"all-reduce", "all-gather"}
