@@ -40,7 +40,7 @@ class StepRunner(Protocol):
         self,
         rows: Sequence[ScheduledRequest],
         sampling_rows: Sequence[SamplingRow],
-        want_all_logprobs: bool = False,
+        prompt_targets: Sequence[Sequence[int]] | None = None,
     ) -> Any:
         """Queues the step; the returned handle's `result()` waits for it."""
 
@@ -200,7 +200,13 @@ class LLMEngine:
             for s, row in zip(states, rows, strict=True)
         ]
         want_prompt = [s.wants_prompt_logprobs(row) for s, row in zip(states, rows, strict=True)]
-        pending = self.runner.dispatch(rows, sampling_rows, any(want_prompt))
+        targets = None
+        if any(want_prompt):
+            targets = [
+                s.prompt_targets(row) if want else [0] * len(row.token_ids)
+                for s, row, want in zip(states, rows, want_prompt, strict=True)
+            ]
+        pending = self.runner.dispatch(rows, sampling_rows, targets)
         return _InFlight(sched, states, want_prompt, pending)
 
     def _commit(self, flight: _InFlight, final_only: bool) -> list[RequestOutput]:
@@ -216,7 +222,7 @@ class LLMEngine:
             if state.finished:
                 continue  # stopped or aborted after this step was dispatched
             if flight.want_prompt[i]:
-                state.add_prompt_logprobs(row, result.all_logprobs[i])
+                state.add_prompt_logprobs(row, result.prompt_logprobs[i])
             if row.samples:
                 self.generation_tokens += 1
                 state.add_token(result, i)

@@ -95,22 +95,26 @@ class SequenceState:
             row.start_position + len(row.token_ids) >= len(self.prompt_logprobs)
         )
 
-    def add_prompt_logprobs(self, row: ScheduledRequest, logprobs: np.ndarray) -> None:
-        """logprobs `[n, V]`: log_softmax at each of the row's n new positions."""
+    def prompt_targets(self, row: ScheduledRequest) -> list[int]:
+        """The prompt token each of the row's positions predicts (0 past the prompt)."""
+        prompt = self.request.prompt_token_ids
+        ends = range(row.start_position + 1, row.start_position + len(row.token_ids) + 1)
+        return [prompt[p] if p < len(prompt) else 0 for p in ends]
+
+    def add_prompt_logprobs(self, row: ScheduledRequest, scored: Any) -> None:
+        """scored: the runner's `PromptLogprobs` of the row's new positions, whose
+        targets were `prompt_targets(row)`."""
         assert self.prompt_logprobs is not None
         prompt = self.request.prompt_token_ids
         top = self.request.sampling_params.prompt_logprobs or 0
-        for j, lp in enumerate(logprobs):
+        for j in range(len(row.token_ids)):
             target = row.start_position + j + 1
             if target != len(self.prompt_logprobs) or target >= len(prompt):
                 continue  # already recorded (a recompute) or past the prompt
-            ids = np.argsort(-lp)[:top]
-            entry = self._position(prompt[target], float(lp[prompt[target]]), ids, lp[ids])
-            entry[prompt[target]] = Logprob(
-                float(lp[prompt[target]]),
-                int((lp > lp[prompt[target]]).sum()) + 1,
-                self._decode(prompt[target]),
-            )
+            token, logprob = prompt[target], float(scored.target_logprobs[j])
+            ids, lps = scored.top_ids[j][:top], scored.top_logprobs[j][:top]
+            entry = self._position(token, logprob, ids, lps)
+            entry[token] = Logprob(logprob, int(scored.target_ranks[j]), self._decode(token))
             self.prompt_logprobs.append(entry)
 
     def _position(

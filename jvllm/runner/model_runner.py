@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ from jvllm.runner.input_batch import (
     token_buckets,
     unpack,
 )
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
 MIN_PENALTY_BUCKET = 64
@@ -58,7 +58,16 @@ class StepResult:
     logprobs: np.ndarray  # [R] float32
     top_ids: np.ndarray  # [R, K] int32
     top_logprobs: np.ndarray  # [R, K] float32
-    all_logprobs: list[np.ndarray] | None  # per row [n, V] log_softmax of every new token
+    prompt_logprobs: list[PromptLogprobs] | None  # per row, when prompt logprobs were asked
+
+
+class PromptLogprobs(NamedTuple):
+    """Scores of one row's new positions under the next token's distribution."""
+
+    top_ids: np.ndarray  # [n, K] int32, best first
+    top_logprobs: np.ndarray  # [n, K] float32
+    target_logprobs: np.ndarray  # [n] float32: logprob of the given next token
+    target_ranks: np.ndarray  # [n] int32: 1 + tokens scored above it
 
 
 def split_by_row(per_token: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
@@ -72,18 +81,19 @@ class PendingStep:
     """A dispatched step whose outputs are still device arrays."""
 
     out: sampler.SamplerOutput  # [S]-padded device arrays
-    all_logprobs: jax.Array | None  # [T, V] when prompt logprobs were asked for
+    prompt_logprobs: tuple[jax.Array, ...] | None  # [T, K], [T, K], [T], [T] when asked
     row_lengths: tuple[int, ...]  # new tokens per real row
 
     def result(self) -> StepResult:
         """Waits for the step and brings its outputs to the host (the one sync)."""
-        out = jax.device_get(self.out)
+        out, scored = jax.device_get((self.out, self.prompt_logprobs))
         n = len(self.row_lengths)
-        every = None
-        if self.all_logprobs is not None:
-            every = split_by_row(np.asarray(self.all_logprobs), self.row_lengths)
+        per_row = None
+        if scored is not None:
+            parts = [split_by_row(np.asarray(a), self.row_lengths) for a in scored]
+            per_row = [PromptLogprobs(*row) for row in zip(*parts, strict=True)]
         return StepResult(
-            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], every
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], per_row
         )
 
 
@@ -148,10 +158,19 @@ class ModelRunner:
             padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
         return out, padded  # padded [R]: the next step's placeholders read it
 
-    def _all_logprobs(self, params: Any, hidden: jax.Array) -> jax.Array:  # [T, V]
+    def _all_logprobs(
+        self, params: Any, hidden: jax.Array, targets: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """Every position's top-K logprobs and the logprob and rank of `targets` `[T]`
+        (the next prompt token; any id where unused): only these leave the device."""
         self.num_compilations += 1
         module = self.model.module
-        return jax.nn.log_softmax(module.apply({"params": params}, hidden, method=module.logits))
+        logits = module.apply({"params": params}, hidden, method=module.logits)
+        logprobs = jax.nn.log_softmax(logits)  # [T, V]
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+        target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
+        ranks = 1 + jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32)  # [T]
+        return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
 
     def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
         self.num_compilations += 1
@@ -203,10 +222,11 @@ class ModelRunner:
         self,
         rows: Sequence[StepRow],
         sampling_rows: Sequence[SamplingRow],
-        want_all_logprobs: bool = False,
+        prompt_targets: Sequence[Sequence[int]] | None = None,
     ) -> PendingStep:
         """Queues one engine step (forward, then sampling of every row) on the device and
-        returns without waiting for it."""
+        returns without waiting for it. `prompt_targets`, per row and new token, names
+        the next prompt token to score (prompt logprobs); any id where none is wanted."""
         assert len(rows) == len(sampling_rows)
         logits, hidden, last_input, shape = self._run_forward(rows)
         needed = sampler.penalty_width_needed(sampling_rows)
@@ -215,17 +235,22 @@ class ModelRunner:
         banned = max(8, 1 << (banned - 1).bit_length()) if banned else 0  # power-of-two bucket
         md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
         out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
-        every = self._all_logprobs_fn(self.model.params, hidden) if want_all_logprobs else None
-        return PendingStep(out, every, tuple(len(r.token_ids) for r in rows))
+        scored = None
+        if prompt_targets is not None:
+            targets = np.zeros(shape.num_tokens, np.int32)  # [T]
+            flat = [t for row in prompt_targets for t in row]
+            targets[: len(flat)] = flat
+            scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
+        return PendingStep(out, scored, tuple(len(r.token_ids) for r in rows))
 
     def execute(
         self,
         rows: Sequence[StepRow],
         sampling_rows: Sequence[SamplingRow],
-        want_all_logprobs: bool = False,
+        prompt_targets: Sequence[Sequence[int]] | None = None,
     ) -> StepResult:
         """One engine step, waited for: `dispatch(...).result()`."""
-        return self.dispatch(rows, sampling_rows, want_all_logprobs).result()
+        return self.dispatch(rows, sampling_rows, prompt_targets).result()
 
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False
@@ -249,5 +274,6 @@ class ModelRunner:
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
             md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
             jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
-            jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden))
+            targets = self._put(np.zeros(shape.num_tokens, np.int32))
+            jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
         self.copy_blocks([(0, 0)])
