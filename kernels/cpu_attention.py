@@ -1,12 +1,12 @@
-"""Paged attention on XLA:CPU: decode rows by a C++ kernel, prefill rows by the reference.
+"""Paged attention on XLA:CPU by a C++ kernel, called as an XLA FFI custom call.
 
-Owns building `cpu/paged_decode.cc` into a shared library (once per machine, with the C++
+Owns building `cpu/paged_attention.cc` into a shared library (once per machine, with the C++
 compiler on PATH, into the jvllm cache directory), registering it as an XLA FFI target,
 and `paged_attention`, which has `reference.paged_attention`'s signature and contract.
-The kernel reads each decode row's keys in place through its block table; the jax.numpy
-reference has to gather them into a copy first, which bounds it on a CPU. Prefill rows
-(more than one new token) stay on the reference path, whose matrix products XLA runs
-well. Not the choice of backend (`jvllm.layers.attention`).
+The kernel reads each row's keys in place through its block table; the jax.numpy
+reference has to gather them into copies first (and runs tiny matrix products), which
+bounds it on a CPU. Dtypes other than float32 and bfloat16 use the reference. Not the
+choice of backend (`jvllm.layers.attention`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jvllm.kernels import reference
 
-_SOURCE = Path(__file__).with_name("cpu") / "paged_decode.cc"
-_TARGET = "jvllm_paged_decode"
+_SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
+_TARGET = "jvllm_paged_attention"
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -76,7 +76,7 @@ def _library() -> ctypes.CDLL:
     key = hashlib.sha256(
         "\0".join([_SOURCE.read_text(), cxx, *flags, _cpu_signature(), jax.__version__]).encode()
     ).hexdigest()[:16]
-    out = cache_dir() / f"paged_decode-{key}.so"
+    out = cache_dir() / f"paged_attention-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         include = ["-I", jax.ffi.include_dir()]
@@ -92,7 +92,7 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def _register() -> None:
-    handler = jax.ffi.pycapsule(_library().JvllmPagedDecode)
+    handler = jax.ffi.pycapsule(_library().JvllmPagedAttention)
     jax.ffi.register_ffi_target(_TARGET, handler, platform="cpu")
 
 
@@ -106,13 +106,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
-    """`reference.paged_attention`, with decode rows computed by the C++ kernel."""
+    """`reference.paged_attention`, computed by the C++ kernel."""
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
         )
     _register()
-    decode = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q,
         k_cache,
         v_cache,
@@ -121,15 +121,4 @@ def paged_attention(
         query_start_loc,
         scale=np.float32(scale),
         sliding_window=np.int64(sliding_window or 0),
-    )
-    return reference.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window,
-        decode_out=decode,
     )

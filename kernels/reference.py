@@ -55,16 +55,23 @@ class _Items(NamedTuple):
     valid: jax.Array  # [I] False for items past the real work
 
 
-def _decode_items(query_start_loc: jax.Array, is_decode: jax.Array) -> _Items:
+def _leading_decodes(query_start_loc: jax.Array) -> jax.Array:
+    """How many sequences at the front of the batch run exactly one query (decodes);
+    the runner orders rows that way."""
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    return jnp.sum(jnp.cumprod(q_len == 1)).astype(jnp.int32)
+
+
+def _decode_items(query_start_loc: jax.Array, num_decodes: jax.Array) -> _Items:
     seq = jnp.arange(query_start_loc.shape[0] - 1, dtype=jnp.int32)
-    return _Items(seq, query_start_loc[:-1], is_decode)
+    return _Items(seq, query_start_loc[:-1], seq < num_decodes)
 
 
-def _prefill_items(num_tokens: int, query_start_loc: jax.Array, is_decode: jax.Array) -> _Items:
+def _prefill_items(num_tokens: int, query_start_loc: jax.Array, num_decodes: jax.Array) -> _Items:
     num_seqs = query_start_loc.shape[0] - 1
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     per_seq = (q_len + QUERY_TILE - 1) // QUERY_TILE
-    per_seq = jnp.where(is_decode, 0, per_seq)
+    per_seq = jnp.where(jnp.arange(num_seqs) < num_decodes, 0, per_seq)
     ends = jnp.cumsum(per_seq)
     # Each sequence wastes at most one partial tile: a static bound on the item count.
     count = -(-num_tokens // QUERY_TILE) + num_seqs
@@ -83,13 +90,10 @@ def paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     scale: float,
     sliding_window: int | None = None,
-    decode_out: jax.Array | None = None,  # [T, Hq, D]
 ) -> jax.Array:  # [T, Hq, D]
     """Flash-style: per item, an online softmax over key chunks of the item's own
     sequence, so the work follows each sequence's real length, not the table width.
-    Decode rows (one query) are one-query items; the rest go in tiles of QUERY_TILE.
-    With `decode_out` (another backend's output for the decode rows, zero elsewhere)
-    only the prefill rows are computed here."""
+    Leading decode rows are one-query items; the rest go in tiles of QUERY_TILE."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -142,14 +146,11 @@ def paged_attention(
         outs, rows = jax.lax.map(one_item, tuple(items), batch_size=ITEM_BATCH)
         return outs.reshape(-1, num_heads, head_dim), rows.reshape(-1)
 
-    is_decode = query_start_loc[1:] - query_start_loc[:-1] == 1  # [S]
-    pre_items = _prefill_items(num_tokens, query_start_loc, is_decode)
+    num_decodes = _leading_decodes(query_start_loc)
+    dec_out, dec_rows = run_items(_decode_items(query_start_loc, num_decodes), 1)
+    pre_items = _prefill_items(num_tokens, query_start_loc, num_decodes)
     pre_out, pre_rows = run_items(pre_items, QUERY_TILE)
     # Every real query row belongs to exactly one item; the rest land in a dump row.
-    if decode_out is not None:
-        out = jnp.concatenate([decode_out, jnp.zeros((1, num_heads, head_dim), q.dtype)])
-        return out.at[pre_rows].set(pre_out)[:num_tokens]
-    dec_out, dec_rows = run_items(_decode_items(query_start_loc, is_decode), 1)
     out = jnp.zeros((num_tokens + 1, num_heads, head_dim), q.dtype)
     out = out.at[jnp.concatenate([dec_rows, pre_rows])].set(jnp.concatenate([dec_out, pre_out]))
     return out[:num_tokens]

@@ -1,0 +1,259 @@
+// Paged attention for XLA:CPU, called from jitted JAX code as an FFI custom call.
+//
+// The contract is kernels/reference.py's: over a ragged batch, the new tokens of
+// sequence s (rows query_start_loc[s] .. query_start_loc[s + 1] - 1) are its last
+// positions, and each attends causally (and within the sliding window) to the keys of
+// its sequence, read in place through its block table: no gathered copy of K or V,
+// which is what bounds the jax.numpy reference on a CPU. Padding rows are zero. K/V
+// and q are float32 or bfloat16; accumulation is float32.
+//
+// Work items are tiles of a few consecutive queries of one sequence and one KV head:
+// an item reads each key once for all its queries and the query heads of its GQA
+// group. Items are split over a few threads when the step has enough work to pay for
+// starting them.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxGroup = 16;     // query heads per KV head
+constexpr int kMaxHeadDim = 256;  // head_dim
+constexpr int kTile = 8;  // queries of one sequence per work item (fewer for wide groups)
+constexpr int kRows = 32;  // (query, head) rows per work item
+constexpr int64_t kPairsPerThread = 4096;  // (query, key) pairs one more thread must have
+
+// exp(x) for x <= 0 to about 2 ulp: a degree-6 polynomial after range reduction, written
+// without calls so that the compiler vectorises the loops that use it (libm's expf is
+// a scalar call, and one happens per key and query head).
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+// A row of `d` cache values as float32: in place for float32, widened into `buf` else.
+inline const float* AsFloat(const float* src, int64_t, float*) { return src; }
+inline const float* AsFloat(const uint16_t* src, int64_t d, float* buf) {
+  for (int64_t i = 0; i < d; ++i) buf[i] = ToFloat(src[i]);
+  return buf;
+}
+
+inline void FromFloat(float x, float* dst) { *dst = x; }
+inline void FromFloat(float x, uint16_t* dst) {  // round to nearest even, as XLA does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) {
+    *dst = 0x7fc0;
+    return;
+  }
+  bits += 0x7fff + ((bits >> 16) & 1);
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Shapes {
+  int64_t num_tokens, num_heads, head_dim, block_size, num_kv_heads, num_seqs, width;
+  int64_t group() const { return num_heads / num_kv_heads; }
+};
+
+// One work item: up to kTile consecutive queries of one sequence and one KV head, every
+// query head of its GQA group, with an online softmax over the keys block by block.
+// Query i sits at position first_pos + i and sees keys in (pos - window, pos].
+// kDim > 0 fixes head_dim at compile time (its loops unrolled).
+template <int kDim, typename T>
+void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
+                const int32_t* table, int64_t first_token, int64_t first_pos, int64_t num_q,
+                int64_t kv_head, float scale, int64_t window, T* out) {
+  const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
+  const int64_t rows = num_q * g_count;  // (query, head) rows, query-major
+  // Scratch on the heap, once per thread: XLA's worker threads may have small stacks.
+  thread_local std::vector<float> scratch;
+  scratch.resize(kRows * (2 * kMaxHeadDim + 2 + 64) + kMaxHeadDim);
+  auto qv = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data());
+  auto acc = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data() + kRows * kMaxHeadDim);
+  float* m = scratch.data() + 2 * kRows * kMaxHeadDim;
+  float* l = m + kRows;
+  auto scores = reinterpret_cast<float(*)[64]>(l + kRows);  // one block; block_size <= 64
+  float* buf = scratch.data() + kRows * (2 * kMaxHeadDim + 2 + 64);  // a widened bf16 row
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / g_count, g = r % g_count;
+    const T* src = q + ((first_token + i) * sh.num_heads + kv_head * g_count + g) * d;
+    for (int64_t x = 0; x < d; ++x) qv[r][x] = ToFloat(src[x]) * scale;
+    std::fill(acc[r], acc[r] + d, 0.0f);
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  const int64_t last = first_pos + num_q - 1;  // the tile's last query position
+  const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  for (int64_t blk = first / bs; blk <= last / bs; ++blk) {
+    const int64_t lo = std::max(first, blk * bs) - blk * bs;
+    const int64_t hi = std::min(last, blk * bs + bs - 1) - blk * bs + 1;
+    const int64_t base = static_cast<int64_t>(table[blk]) * bs;
+    for (int64_t o = lo; o < hi; ++o) {
+      const float* kf = AsFloat(k_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, buf);
+      for (int64_t r = 0; r < rows; ++r) {
+        float dot = 0.0f;
+        for (int64_t x = 0; x < d; ++x) dot += qv[r][x] * kf[x];
+        scores[r][o] = dot;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Keys this query may not see (later positions, or out of its window) get p = 0.
+      const int64_t pos = first_pos + r / g_count;
+      const int64_t see_lo = std::max(lo, (window > 0 ? pos - window + 1 : 0) - blk * bs);
+      const int64_t see_hi = std::min(hi, pos - blk * bs + 1);
+      float block_max = -INFINITY;
+      for (int64_t o = see_lo; o < see_hi; ++o) block_max = std::max(block_max, scores[r][o]);
+      const float m_new = std::max(m[r], block_max);
+      const float correction =
+          m[r] == -INFINITY ? 0.0f : ExpNonPositive(m[r] - m_new);  // 0 before any key
+      l[r] *= correction;
+      for (int64_t x = 0; x < d; ++x) acc[r][x] *= correction;
+      m[r] = m_new;
+      for (int64_t o = lo; o < hi; ++o) {
+        const bool seen = o >= see_lo && o < see_hi;
+        scores[r][o] = seen ? ExpNonPositive(scores[r][o] - m_new) : 0.0f;
+      }
+      for (int64_t o = lo; o < hi; ++o) l[r] += scores[r][o];
+    }
+    for (int64_t o = lo; o < hi; ++o) {
+      const float* vf = AsFloat(v_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, buf);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = scores[r][o];
+        for (int64_t x = 0; x < d; ++x) acc[r][x] += p * vf[x];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / g_count, g = r % g_count;
+    T* dst = out + ((first_token + i) * sh.num_heads + kv_head * g_count + g) * d;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t x = 0; x < d; ++x) FromFloat(acc[r][x] * inv, dst + x);
+  }
+}
+
+struct Item {
+  int64_t seq, kv_head, first_token, first_pos, num_q;
+};
+
+template <typename T>
+void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
+            const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl, float scale,
+            int64_t window, T* out) {
+  std::memset(out, 0, sizeof(T) * sh.num_tokens * sh.num_heads * sh.head_dim);
+  std::vector<Item> items;
+  int64_t pairs = 0;  // (query, key) pairs, a measure of the step's work
+  for (int64_t s = 0; s < sh.num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    if (q_len <= 0 || seq_lens[s] <= 0) continue;
+    const int64_t pos0 = seq_lens[s] - q_len;
+    const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kTile, kRows / sh.group()));
+    for (int64_t i = 0; i < q_len; i += tile) {
+      const int64_t n = std::min<int64_t>(tile, q_len - i);
+      for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+        items.push_back({s, h, qsl[s] + i, pos0 + i, n});
+      }
+      pairs += n * (pos0 + i + n) * sh.num_kv_heads;
+    }
+  }
+  auto run = [&](size_t begin, size_t step) {
+    for (size_t k = begin; k < items.size(); k += step) {
+      const Item& it = items[k];
+      const int32_t* table = tables + it.seq * sh.width;
+      if (sh.head_dim == 64) {
+        AttendTile<64>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
+                       it.kv_head, scale, window, out);
+      } else if (sh.head_dim == 128) {
+        AttendTile<128>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
+                        it.kv_head, scale, window, out);
+      } else {
+        AttendTile<0>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
+                      it.kv_head, scale, window, out);
+      }
+    }
+  };
+  static const int64_t max_threads = [] {  // JVLLM_CPU_ATTENTION_THREADS caps it
+    const char* env = std::getenv("JVLLM_CPU_ATTENTION_THREADS");
+    const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
+    return env ? std::clamp<int64_t>(std::atoll(env), 1, hardware) : hardware;
+  }();
+  const int64_t num_threads = std::clamp<int64_t>(pairs / kPairsPerThread, 1, max_threads);
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(run, t, num_threads);
+  run(0, num_threads);
+  for (auto& t : helpers) t.join();
+}
+
+ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                           ffi::Buffer<ffi::S32> query_start_loc,
+                           ffi::Result<ffi::AnyBuffer> out, float scale,
+                           int64_t sliding_window) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention: q [T,H,D], cache [N,BS,Hkv,D], tables [S,W]");
+  }
+  Shapes sh{qd[0], qd[1], qd[2], kd[1], kd[2], td[0], td[1]};
+  if (sh.head_dim > kMaxHeadDim || sh.block_size > 64 || sh.num_heads % sh.num_kv_heads ||
+      sh.group() > kMaxGroup || kd[3] != sh.head_dim) {
+    return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim, block or group size");
+  }
+  const auto* tables = block_tables.typed_data();
+  const auto* lens = seq_lens.typed_data();
+  const auto* qsl = query_start_loc.typed_data();
+  if (q.element_type() == ffi::F32) {
+    Attend(sh, static_cast<const float*>(q.untyped_data()),
+           static_cast<const float*>(k_cache.untyped_data()),
+           static_cast<const float*>(v_cache.untyped_data()), tables, lens, qsl, scale,
+           sliding_window, static_cast<float*>(out->untyped_data()));
+  } else if (q.element_type() == ffi::BF16) {
+    Attend(sh, static_cast<const uint16_t*>(q.untyped_data()),
+           static_cast<const uint16_t*>(k_cache.untyped_data()),
+           static_cast<const uint16_t*>(v_cache.untyped_data()), tables, lens, qsl, scale,
+           sliding_window, static_cast<uint16_t*>(out->untyped_data()));
+  } else {
+    return ffi::Error::InvalidArgument("paged_attention: q and the cache must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window"));
