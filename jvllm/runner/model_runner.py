@@ -120,7 +120,7 @@ class ModelRunner:
         self.num_compilations = 0
         self.max_rows = min(self.token_buckets[-1], max_num_seqs)  # the largest row bucket
         self.caches = self._allocate_cache(num_blocks)
-        self.last_sampled = self._put(np.zeros(self.max_rows, np.int32))  # [R] on device
+        self.last_sampled = self._put(np.zeros(self.max_rows, np.int32))  # [R]
         self._forward_fn = jax.jit(
             self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
@@ -187,9 +187,14 @@ class ModelRunner:
         return [(zeros(), zeros()) for _ in range(s.num_layers)]
 
     def _put(self, tree: Any) -> Any:
-        """Host arrays to the device; on a mesh, replicated to every device."""
+        """Host arrays for a jitted program; on a mesh, placed replicated on every device.
+
+        On one device they stay numpy: the jitted call transfers its numpy arguments
+        itself, in C++ (about 25 us for the sampling arrays), where `device_put` of the
+        same pytree from Python takes about 0.9 ms.
+        """
         if self.mesh is None:
-            return jax.device_put(tree)
+            return tree
         sharding = replicated(self.mesh)
         if jax.process_count() == 1:
             return jax.device_put(tree, sharding)
