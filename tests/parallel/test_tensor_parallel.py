@@ -100,7 +100,9 @@ def _compiled_forward(path, tp: int) -> tuple[str, str, ModelRunner]:
     runner = ModelRunner(loaded, 16, 16, 256, 8, 64, mesh)
     shape = runner.batch_shape(16)
     packed = runner._put(pack_rows([], shape, runner.block_size))
-    lowered = runner._forward_fn.lower(loaded.params, runner.caches, packed, shape=shape)
+    lowered = runner._forward_fn.lower(
+        loaded.params, runner.caches, packed, runner.last_sampled, shape=shape
+    )
     return lowered.as_text(), lowered.compile().as_text(), runner
 
 
