@@ -12,7 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,9 +35,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -c <prelude> + jvllm.cli.main(["serve", *args])`, logging to a file; or
-    `python -m MODULE *args` when `module` is given. `verify` (the server's self-signed
-    certificate as an SSL context) means the server speaks HTTPS."""
+    """`python -c <prelude> + jvllm.cli.main(["serve", *args])`; or `python -m MODULE
+    *args` when `module` is given. `verify` (the server's self-signed certificate as an
+    SSL context) means the server speaks HTTPS. A thread collects its output, so that
+    `wait_for_log` can wait for a line without polling."""
 
     def __init__(
         self,
@@ -50,21 +51,35 @@ class ServerProcess:
         self.port = free_port()
         self.verify = verify or True
         self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
-        log_fd, self._log_path = tempfile.mkstemp(prefix="jvllm-serve-", suffix=".log")
+        self._lines: list[str] = []
+        self._grew = threading.Condition()
         argv = ["serve", *args, "--port", str(self.port), "--disable-access-log"]
         code = f"import sys\n{prelude}\nfrom jvllm.cli import main\nsys.exit(main({argv!r}))\n"
         command = ["-c", code] if module is None else ["-m", module, *argv[1:]]
         self.proc = subprocess.Popen(
             [sys.executable, *command],
-            stdout=log_fd,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, **(env or {})},
             cwd=Path(__file__).resolve().parents[2],
         )
-        os.close(log_fd)
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        for line in self.proc.stdout:  # until the process closes its output
+            with self._grew:
+                self._lines.append(line)
+                self._grew.notify_all()
 
     def log(self) -> str:
-        return Path(self._log_path).read_text()
+        with self._grew:
+            return "".join(self._lines)
+
+    def wait_for_log(self, text: str, timeout: float) -> bool:
+        """Whether `text` appears in the output within `timeout` seconds."""
+        with self._grew:
+            return self._grew.wait_for(lambda: text in "".join(self._lines), timeout)
 
     def wait_ready(self, timeout: float = 240.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
@@ -97,7 +112,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        Path(self._log_path).unlink(missing_ok=True)
         return self.proc.returncode
 
 

@@ -9,7 +9,6 @@ import json
 import shutil
 import ssl
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -208,9 +207,7 @@ def test_root_path_keeps_routes_and_open_paths(env):
 
 def test_request_and_stats_logs(env):
     env.client.completions.create(model="tiny", prompt="log me", max_tokens=2)
-    deadline = time.monotonic() + 30
-    while "Avg generation throughput" not in env.https.log() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert env.https.wait_for_log("Avg generation throughput", timeout=30)
     log = env.https.log()
     assert "Avg generation throughput" in log and "Prefix cache hit rate" in log
     assert "Received request cmpl-" in log and "'log me'" in log
