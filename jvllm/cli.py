@@ -152,7 +152,7 @@ def build_serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
         prog="jvllm serve",
         add_help=add_help,
         description="Serve MODEL (a Hugging Face checkpoint directory) over an "
-        "OpenAI-compatible API. Without MODEL, serve a tiny random-weight demo model. "
+        "OpenAI-compatible API. Without MODEL, serve the small demo model built into jvllm. "
         "Flags are vLLM's; those that mean nothing under JAX are accepted and logged.",
     )
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the demo model)")
@@ -217,15 +217,16 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model or args.model_option
     is_demo = model is None
     if is_demo:
-        from jvllm.testing.demo import DEMO_ENGINE_DEFAULTS, DEMO_NAME, ensure_demo_model
+        from jvllm.demo import DEMO_ENGINE_DEFAULTS, DEMO_NAME, demo_description, demo_model_path
 
-        model = str(ensure_demo_model())
+        model = str(demo_model_path())
         options = {**DEMO_ENGINE_DEFAULTS, **options}
         served = tuple(args.served_model_name or [DEMO_NAME])
         logger.warning(
-            "no MODEL given: serving the built-in DEMO model (tiny, random weights, its "
-            "output is noise) from %s; pass a checkpoint directory to serve a real model",
+            "no MODEL given: serving the built-in DEMO model from %s (%s); pass a checkpoint "
+            "directory to serve a real model",
             model,
+            demo_description(),
         )
     else:
         served = tuple(args.served_model_name or [model])

@@ -24,9 +24,14 @@ Prompt = str | dict[str, Any]
 
 class LLM:
     """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
-    vLLM arguments that have no effect here (`jvllm.compat`, each logged once)."""
+    vLLM arguments that have no effect here (`jvllm.compat`, each logged once). Without
+    a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:
+            from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
+
+            model, kwargs = str(demo_model_path()), {**DEMO_ENGINE_DEFAULTS, **kwargs}
         kwargs = compat.accept(str(model), kwargs, offline=True)
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jvllm
+from jvllm.demo import demo_description
 
 from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
@@ -44,8 +45,6 @@ from .serving_completions import create_completion
 from .stats_logger import StatsLogger
 
 logger = logging.getLogger("jvllm.server")
-
-DEMO_DESCRIPTION = "DEMO: a tiny random-weight Llama built into jvllm; its output is noise"
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ async def list_models(ctx: ServingContext, request: Request) -> Response:
             owned_by="jvllm-demo" if ctx.is_demo else "jvllm",
             root=ctx.model_path,
             max_model_len=ctx.engine.max_model_len,
-            description=DEMO_DESCRIPTION if ctx.is_demo else None,
+            description=demo_description() if ctx.is_demo else None,
         )
         for name in ctx.served_model_names
     ]
