@@ -29,10 +29,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jvllm.layers.attention import KVCache
-from jvllm.models.loader import LoadedModel, abstract_params, hf_name
+from jvllm.models.loader import LoadedModel, abstract_params, sharded_spec
 from jvllm.models.registry import model_class
-from jvllm.models.spec import ModelSpec
-from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated, sharded_spec
+from jvllm.models.spec import ModelSpec, hf_name
+from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated
 from jvllm.runner.model_runner import ModelRunner
 
 
