@@ -27,7 +27,9 @@ AXIS = "tp"
 
 # Activations and caches as seen by attention: heads on the tp axis.
 HEADS = P(None, AXIS, None)  # [T, H, D]
-CACHE = P(None, None, AXIS, None)  # [N, BS, Hkv, D]
+# [N, BS, Hkv, D]. No trailing None: a jitted step returns the cache with this exact
+# spec, and a spec spelled otherwise (equal in meaning) is a second compiled program.
+CACHE = P(None, None, AXIS)
 
 
 class ModelShapes(Protocol):
