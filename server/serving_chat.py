@@ -43,12 +43,7 @@ from .serving import (
     stream_error,
     usage,
 )
-from .streaming import (
-    DONE,
-    EventStreamResponse,
-    merge_streams,
-    sse,
-)
+from .streaming import DONE, EventStreamResponse, merge_streams, sse
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
