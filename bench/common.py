@@ -1,8 +1,9 @@
 """What every benchmark shares: model presets, random checkpoints, workloads, FLOP counts
 and the result files.
 
-Owns the Llama-shaped presets and how their random-weight checkpoints are written
-(numpy + safetensors straight in the target dtype: no torch, no float32 detour), the
+Owns the Llama-shaped presets and where their random-weight checkpoints are cached
+(`jvllm.testing.checkpoints` writes them: numpy + safetensors straight in the target
+dtype, no torch), the
 ShareGPT-shaped request lengths, the FLOP and byte counts behind the roofline figures,
 the in-process matmul and copy yardsticks, and the JSON envelope (exact command line,
 machine load) that every result file carries. It runs no engine: each script measures
@@ -20,12 +21,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from jvllm.testing.checkpoints import WORD_SPECIAL_TOKENS, write_random_llama, write_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -41,7 +44,7 @@ MIN_LEN = 4  # shorter prompts or completions are dropped, as vLLM does
 # Lognormal shape (sigma of log-length): heavy right tails, medians below the means.
 SIGMA_INPUT, SIGMA_OUTPUT = 1.0, 0.8
 
-SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")  # ids 0..3; words follow
+SPECIAL_TOKENS = WORD_SPECIAL_TOKENS  # ids 0..3; words follow
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 _STAMP = "bench_preset.json"
 
@@ -120,93 +123,12 @@ def build_checkpoint(preset: Preset, models_dir: Path = DEFAULT_MODELS_DIR) -> P
         shutil.rmtree(stale, ignore_errors=True)
     partial.mkdir(parents=True)
     started = time.perf_counter()
-    write_tokenizer(partial, preset.vocab_size)
-    (partial / "config.json").write_text(json.dumps(preset.hf_config(), indent=2))
-    write_random_weights(partial, preset)
+    write_word_tokenizer(partial, preset.vocab_size)
+    write_random_llama(partial, preset.hf_config())
     (partial / _STAMP).write_text(stamp)
     partial.rename(out)
     print(f"wrote the {preset.name} checkpoint to {out} in {time.perf_counter() - started:.1f} s")
     return out
-
-
-def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with exactly `vocab_size` ids: specials, then words w4, w5...
-
-    Every id the random model samples decodes to text, and a prompt written as
-    "w17 w230 ..." encodes to exactly those ids (what serve.py sends).
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    names = dict(
-        zip(("bos_token", "eos_token", "pad_token", "unk_token"), SPECIAL_TOKENS, strict=True)
-    )
-    PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(out_dir)
-
-
-def _tensor_shapes(p: Preset) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Hugging Face Llama tensor names and `[out, in]` shapes, in file order."""
-    h, kv, inter = p.hidden_size, p.num_kv_heads * p.head_dim, p.intermediate_size
-    yield "model.embed_tokens.weight", (p.vocab_size, h)
-    for i in range(p.num_layers):
-        layer = f"model.layers.{i}."
-        yield layer + "input_layernorm.weight", (h,)
-        yield layer + "self_attn.q_proj.weight", (p.num_heads * p.head_dim, h)
-        yield layer + "self_attn.k_proj.weight", (kv, h)
-        yield layer + "self_attn.v_proj.weight", (kv, h)
-        yield layer + "self_attn.o_proj.weight", (h, p.num_heads * p.head_dim)
-        yield layer + "post_attention_layernorm.weight", (h,)
-        yield layer + "mlp.gate_proj.weight", (inter, h)
-        yield layer + "mlp.up_proj.weight", (inter, h)
-        yield layer + "mlp.down_proj.weight", (h, inter)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (p.vocab_size, h)
-
-
-def write_random_weights(out_dir: Path, preset: Preset, shard_bytes: int = 2 << 30) -> None:
-    """Safetensors shards of N(0, 0.02) weights (norms 1) in the preset's dtype.
-
-    Each tensor tiles a shifted copy of one random pool of a prime length, so 8B
-    parameters take seconds and never a float32 copy of the model.
-    """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[preset.dtype]
-    rng = np.random.default_rng(0)
-    pool = (rng.standard_normal(1_000_003, np.float32) * 0.02).astype(dtype)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in _tensor_shapes(preset):
-        nbytes = int(np.prod(shape)) * pool.itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    weight_map, total = {}, 0
-    for index, shard in enumerate(shards):
-        file = (
-            "model.safetensors"
-            if len(shards) == 1
-            else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        tensors = {}
-        for k, (name, shape) in enumerate(shard):
-            if name.endswith("norm.weight"):
-                tensors[name] = np.ones(shape, dtype)
-            else:
-                tensors[name] = np.resize(np.roll(pool, 7919 * (index * 1000 + k)), shape)
-            weight_map[name] = file
-            total += tensors[name].nbytes
-        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
 
 
 # -- workloads -----------------------------------------------------------------------------

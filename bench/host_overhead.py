@@ -37,6 +37,7 @@ from jvllm.layers.sampler import make_sampling_metadata
 from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET, StepResult
 from jvllm.sampling_params import SamplingParams, SamplingRow
+from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoTokenizer
 
-        common.write_tokenizer(Path(tmp), args.vocab_size)
+        write_word_tokenizer(Path(tmp), args.vocab_size)
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     rows = []
     for n in args.num_seqs:

@@ -85,22 +85,20 @@ class EngineArgs:
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
-            self.max_num_seqs,
-            batched,
-            max_model_len,
-            self.scheduling_policy,
-            self.async_scheduling,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            scheduling_policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
         )
         cache = CacheConfig(
-            self.block_size,
-            self.gpu_memory_utilization,
-            self.num_gpu_blocks_override,
-            self.enable_prefix_caching,
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
-        runner = ModelRunner(
-            loaded, num_blocks, self.block_size, max_model_len, self.max_num_seqs, batched, mesh
-        )
+        runner = ModelRunner(loaded, num_blocks, cache, scheduler, mesh)
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
         config = EngineConfig(model_config, cache, scheduler, parallel)

@@ -54,10 +54,6 @@ class SamplingParams:
         return self._stop_list
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jvllm
 from jvllm.demo import demo_description
+from jvllm.engine.validation import InvalidRequestError, check_token_ids
 
 from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
@@ -39,7 +40,7 @@ from .responses import (
     TokenizeResponse,
     VersionResponse,
 )
-from .serving import ServingContext, now, parse_body
+from .serving import ServingContext, engine_error, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
 from .stats_logger import StatsLogger
@@ -202,7 +203,10 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
 async def detokenize(ctx: ServingContext, request: Request) -> Response:
     req = await parse_body(request, DetokenizeRequest, ctx.max_body_bytes)
     ctx.model_name(req.model)
-    ctx.check_token_ids(req.tokens, "tokens")
+    try:
+        check_token_ids(req.tokens, ctx.engine.vocab_size, "tokens")
+    except InvalidRequestError as e:
+        raise engine_error(e) from None
     return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)).model_dump())
 
 

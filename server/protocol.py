@@ -2,7 +2,8 @@
 
 Owns the shape and range of every accepted field (OpenAI's names, plus vLLM's
 sampling extras) and the limits that keep one request from hogging the server.
-Checks that need the model (vocabulary, context length) are in `serving.py`; the
+Checks that need the model (vocabulary, context length) are the engine's
+(`jvllm.engine.validation`); the
 response bodies are in `responses.py`.
 """
 

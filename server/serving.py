@@ -1,10 +1,13 @@
-"""What the completions and chat handlers share: the model check, model-aware
-validation, SamplingParams from a request (the model's generation_config defaults
+"""What the completions and chat handlers share: the model check, the room a request
+leaves for max_tokens, SamplingParams from a request (the model's generation_config defaults
 filling what it leaves unset), and submitting prompts to the engine (logged with
 `--enable-log-requests`).
 
 Owns turning engine and validation exceptions into API errors (400, 404, 503) before
 any response has started, so a bad request never reaches the engine half-submitted.
+Checks that need the model (vocabulary, empty prompts, context length) are the
+engine's (`jvllm.engine.validation`): its `InvalidRequestError` becomes a 400 with
+that error's `param`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from jvllm.engine.async_llm import (
     RequestAbortedError,
     RequestStream,
 )
+from jvllm.engine.validation import InvalidRequestError
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
@@ -44,7 +47,7 @@ RETRY_AFTER_S = 1
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str
+    text: str | None  # None for a token prompt: the engine validates its ids first
     token_ids: list[int]
 
     def engine_input(self) -> dict[str, Any]:
@@ -85,46 +88,15 @@ class ServingContext:
             )
         return requested
 
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"{param} holds token ids outside the vocabulary [0, "
-                f"{self.engine.vocab_size}): {bad[:5]}",
-                param=param,
-                code="invalid_value",
-            )
-
-    def check_logit_bias(self, bias: dict[str, float] | None) -> None:
-        if not bias:
-            return
-        for key, value in bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.engine.vocab_size:
-                raise APIError(
-                    400,
-                    f"logit_bias key {key[:20]!r} is not a token id in [0, "
-                    f"{self.engine.vocab_size})",
-                    param="logit_bias",
-                )
-            if not -100.0 <= value <= 100.0:
-                raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
-
     def max_tokens_for(self, prompt: Prompt, requested: int | None, explicit: bool) -> int:
-        """`requested` if it fits the context; the room left when not given explicitly."""
+        """`requested` if it fits the context; the room left when not given explicitly.
+        A prompt with no room at all is the engine's to refuse."""
         n = len(prompt.token_ids)
         limit = self.engine.max_model_len
-        if n >= limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{n} tokens; it must be shorter, to leave room for generated tokens",
-                param="prompt",
-                code="context_length_exceeded",
-            )
         if not explicit and "max_tokens" in self.defaults.sampling:
             requested = self.defaults.sampling["max_tokens"]
+        if n >= limit:
+            return requested or 1
         if requested is None or (not explicit and n + requested > limit):
             return limit - n
         if n + requested > limit:
@@ -160,10 +132,14 @@ class ServingContext:
         logger.info(
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
             request_id,
-            prompt.text[:n],
+            None if prompt.text is None else prompt.text[:n],
             params,
             prompt.token_ids[:n],
         )
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        """A prompt's text; a token prompt's decoded (once the engine accepted its ids)."""
+        return self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text
 
     def token_text(self, token_id: int, text: str) -> str:
         """How a logprobs entry names a token (`--return-tokens-as-token-ids`)."""
@@ -197,6 +173,8 @@ def engine_error(e: BaseException) -> BaseException:
         return APIError(503, str(e), code="engine_dead")
     if isinstance(e, RequestAbortedError):
         return APIError(503, f"The request was aborted: {e}", code="aborted")
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, ValueError):
         return APIError(400, str(e), code="invalid_value")
     return e
@@ -216,6 +194,8 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams from the shared request fields, the model's defaults filling those
     left unset; 400 names the bad field."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
     kwargs: dict[str, Any] = dict(
         n=req.n,
         presence_penalty=req.presence_penalty,

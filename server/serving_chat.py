@@ -43,20 +43,12 @@ from .serving import (
     stream_error,
     usage,
 )
-from .streaming import (
-    DONE,
-    EventStreamResponse,
-    merge_streams,
-    sse,
-)
+from .streaming import DONE, EventStreamResponse, merge_streams, sse
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
     model = ctx.model_name(req.model)
-    ctx.check_logit_bias(req.logit_bias)
-    if req.stop_token_ids:
-        ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     prompt = render_chat(ctx, req.messages, req.add_generation_prompt)

@@ -36,20 +36,12 @@ from .serving import (
     stream_error,
     usage,
 )
-from .streaming import (
-    DONE,
-    EventStreamResponse,
-    merge_streams,
-    sse,
-)
+from .streaming import DONE, EventStreamResponse, merge_streams, sse
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     req = await parse_body(request, CompletionRequest, ctx.max_body_bytes)
     model = ctx.model_name(req.model)
-    ctx.check_logit_bias(req.logit_bias)
-    if req.stop_token_ids:
-        ctx.check_token_ids(req.stop_token_ids, "stop_token_ids")
     prompts = _prompts(ctx, req.prompt)
     explicit = "max_tokens" in req.model_fields_set
     echo_logprobs = req.logprobs if req.echo else None
@@ -83,15 +75,9 @@ def _prompts(ctx: ServingContext, prompt: str | list) -> list[Prompt]:
     prompts = []
     for item in items:
         if isinstance(item, str):
-            if not item:
-                raise APIError(400, "prompt is empty: it must hold some text", param="prompt")
-            ids = list(ctx.tokenizer.encode(item))
-            prompts.append(Prompt(item, ids))
-            continue
-        if not item:
-            raise APIError(400, "prompt is empty: a token list needs a token", param="prompt")
-        ctx.check_token_ids(item, "prompt")
-        prompts.append(Prompt(ctx.tokenizer.decode(item), list(item)))
+            prompts.append(Prompt(item, list(ctx.tokenizer.encode(item)) if item else []))
+        else:
+            prompts.append(Prompt(None, list(item)))
     return prompts
 
 
@@ -123,7 +109,7 @@ class _CompletionView:
                 if self.req.logprobs is not None:
                     logprobs = self._logprobs(out, c, 0, len(c.token_ids), self.req.echo)
                 if self.req.echo:
-                    text = self.prompts[i].text + text
+                    text = self.ctx.prompt_text(self.prompts[i]) + text
                 choices.append(
                     CompletionChoice(
                         index=i * self.req.n + c.index,
@@ -152,7 +138,7 @@ class _CompletionView:
                             del cursors[index]  # the echo still goes with the first chunk
                         continue
                     echo = first and self.req.echo
-                    text = (self.prompts[i].text if echo else "") + delta.text
+                    text = (self.ctx.prompt_text(self.prompts[i]) if echo else "") + delta.text
                     logprobs = None
                     if self.req.logprobs is not None:
                         offset = offsets.get(index, 0)

@@ -319,7 +319,10 @@ class AsyncLLM:
                 self._engine.add_request(
                     command.request_id, command.prompt, command.params, command.arrival
                 )
-            except (ValueError, TypeError) as e:
+            except ValueError as e:  # InvalidRequestError keeps the field it names
+                command.done.set_exception(e)
+                continue
+            except TypeError as e:
                 command.done.set_exception(ValueError(str(e)))
                 continue
             self._timings[command.request_id] = _Timing(command.arrival)

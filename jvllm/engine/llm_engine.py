@@ -1,10 +1,10 @@
 """LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
 
-Owns request validation, the fan-out of `n > 1` into sibling sequences, seeds,
-stop checks (EOS, stop token ids, stop strings, max_tokens, max_model_len),
-incremental detokenization, logprob bookkeeping and metrics. Scheduling belongs
-to `Scheduler`; all device work to the runner it is given (`StepRunner`), so this
-module stays host-only and never imports jax.
+Owns admitting requests (`validation.py` checks them first), the fan-out of `n > 1`
+into sibling sequences, seeds, stop checks (EOS, stop token ids, stop strings,
+max_tokens, max_model_len), incremental detokenization, logprob bookkeeping and
+metrics. Scheduling belongs to `Scheduler`; all device work to the runner it is
+given (`StepRunner`), so this module stays host-only and never imports jax.
 
 With `async_scheduling` (the default) the host never sits between device steps: each
 `step()` schedules and dispatches step N + 1, then waits for step N and commits it,
@@ -25,6 +25,7 @@ from jvllm.config import EngineConfig
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
+from jvllm.engine.validation import validate_request
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams, SamplingRow
 
@@ -94,7 +95,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        self._validate(ids, params)
+        validate_request(text, ids, params, self.vocab_size, self.max_model_len)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, text, ids, params, arrival)
         for index in range(params.n):
@@ -119,34 +120,10 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: it must hold at least one character")
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(prompt)) if prompt else []
         if isinstance(prompt, list | tuple):
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt)}")
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): "
-                f"{bad[:5]}"
-            )
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                "it must be shorter, to leave room for at least one generated token"
-            )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
-            )
 
     def _seed_for(self, params: SamplingParams, index: int) -> int:
         if params.seed is None:
@@ -161,10 +138,7 @@ class LLMEngine:
             return
         for state in group.children:
             if not state.finished:
-                state.finish("abort")
-                self.scheduler.finish_request(
-                    state.request.request_id, RequestStatus.FINISHED_ABORTED
-                )
+                self._finish(state, RequestStatus.FINISHED_ABORTED)
         self._finished_outputs.append(self._retire(group))
 
     # -- one step --
@@ -240,24 +214,27 @@ class LLMEngine:
         request, params = state.request, state.request.sampling_params
         token = request.output_token_ids[-1]
         num_out = len(request.output_token_ids)
-        reason: tuple[str, int | str | None] | None = None
+        stopped, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+        reason: tuple[RequestStatus, int | str | None] | None = None
         if state.matched_stop is not None:
-            reason = ("stop", state.matched_stop)
+            reason = (stopped, state.matched_stop)
         elif num_out >= params.min_tokens and token in params.stop_token_ids:
-            reason = ("stop", token)
+            reason = (stopped, token)
         elif num_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
-            reason = ("stop", None)
+            reason = (stopped, None)
         elif num_out >= (params.max_tokens or self.max_model_len) or (
             request.num_tokens >= self.max_model_len
         ):
-            reason = ("length", None)
-        if reason is None:
-            return
-        state.finish(*reason)
-        status = (
-            RequestStatus.FINISHED_STOPPED if reason[0] == "stop" else RequestStatus.FINISHED_LENGTH
-        )
-        self.scheduler.finish_request(request.request_id, status)
+            reason = (length, None)
+        if reason is not None:
+            self._finish(state, *reason)
+
+    def _finish(
+        self, state: SequenceState, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """Ends a sequence: its output says why, and the scheduler frees its blocks now."""
+        state.finish(status, stop_reason)
+        self.scheduler.finish_request(state.request.request_id, status)
 
     def _retire(self, group: SequenceGroup) -> RequestOutput:
         del self._groups[group.request_id]

@@ -65,8 +65,8 @@ class Request:
         # Tokens sampled by dispatched steps whose ids the host does not know yet
         # (overlapped scheduling): they follow output_token_ids.
         self.num_output_placeholders = 0
-        # Prefix-cache hit tokens at the first admission; -1 until admitted.
-        self.num_cached_tokens = -1
+        # Prefix-cache hit tokens at the first admission; None until admitted.
+        self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
 
     @property

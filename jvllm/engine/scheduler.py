@@ -105,16 +105,9 @@ class Scheduler:
         self._num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        max_model_len = self.scheduler_config.max_model_len
-        if request.num_tokens > max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
-                f"max_model_len={max_model_len}"
-            )
+        """Queues a request the engine has validated (`jvllm.engine.validation`)."""
+        assert request.request_id not in self._requests, request
+        assert 0 < request.num_tokens <= self.scheduler_config.max_model_len, request
         assert request.status is RequestStatus.WAITING, request
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -170,13 +163,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request_id)
         request.status = status
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def get_request(self, request_id: str) -> Request:
-        """An unfinished request by id (KeyError once it is finished)."""
-        return self._requests[request_id]
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -279,7 +265,7 @@ class Scheduler:
             if not kv.allocate_slots(request, num_new, prefix, reserve):
                 return False
             request.num_computed_tokens = num_shared
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens is None:
             request.num_cached_tokens = num_shared
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jvllm.engine.detokenizer import IncrementalDetokenizer
-from jvllm.engine.request import Request
+from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import SamplingParams, SamplingRow
@@ -44,15 +44,17 @@ class SequenceState:
             [None] if params.prompt_logprobs is not None and index == 0 else None
         )
         self.matched_stop: str | None = None
-        self.finish_reason: str | None = None
+        # Set once, when the engine finishes the sequence; the scheduler gets the same.
+        self.finished_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finished_status is not None
 
-    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self.finish_reason, self.stop_reason = reason, stop_reason
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        assert status.is_finished, status
+        self.finished_status, self.stop_reason = status, stop_reason
 
     def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
         """The sampler's view of this sequence for a scheduled row that samples."""
@@ -140,7 +142,7 @@ class SequenceState:
             if self.logprobs is not None and math.isfinite(self.cumulative_logprob)
             else None,
             logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
+            finish_reason=self.finished_status.finish_reason if self.finished_status else None,
             stop_reason=self.stop_reason,
         )
 
@@ -174,5 +176,5 @@ class SequenceGroup:
             prompt_logprobs=first.prompt_logprobs,
             outputs=[c.completion() for c in self.children],
             finished=self.finished,
-            num_cached_tokens=max(first.request.num_cached_tokens, 0),
+            num_cached_tokens=first.request.num_cached_tokens or 0,
         )

@@ -7,6 +7,7 @@ memory map straight to the target dtype and onto the device, one at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,9 @@ from jvllm.layers.attention import AttentionMetadata
 from jvllm.models import orbax_checkpoint
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
-from jvllm.models.spec import ModelSpec, spec_from_hf_config
+from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
 from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
-from jvllm.parallel.mesh import check_divisible, sharded_spec
+from jvllm.parallel.mesh import check_divisible, kv_replication
 
 _DTYPE_NAMES = {
     "float32": jnp.float32,
@@ -85,15 +86,9 @@ def abstract_params(module: nn.Module, spec: ModelSpec) -> Params:
     return jax.eval_shape(init)["params"]
 
 
-def hf_name(path: tuple[str, ...]) -> str:
-    """('model', 'layers_3', 'mlp', 'up_proj', 'weight') -> 'model.layers.3.mlp.up_proj.weight'."""
-    parts = []
-    for p in path:
-        if p.startswith("layers_"):
-            parts += ["layers", p.removeprefix("layers_")]
-        else:
-            parts.append("weight" if p == "embedding" else p)
-    return ".".join(parts)
+def sharded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The spec the model is built with: KV heads replicated up to `tp` when fewer."""
+    return dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_replication(spec, tp))
 
 
 def load_model(

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jvllm.models.spec import ModelSpec
+from jvllm.models.spec import ModelSpec, hf_name
 from jvllm.parallel.mesh import kv_replication, partition_spec
 
 MARKER = "jvllm_checkpoint.json"
@@ -49,8 +49,6 @@ def save(
     """flat: parameter path -> array as loaded on a `tp`-way mesh; spec: the checkpoint's."""
     import orbax.checkpoint as ocp
 
-    from jvllm.models.loader import hf_name
-
     out = Path(out).resolve()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"output directory {out} exists and is not empty")
@@ -76,8 +74,6 @@ def restore(
 ) -> dict[Path_, jax.Array]:
     """Restores into `abstract` (path -> the model's parameter shapes for this mesh)."""
     import orbax.checkpoint as ocp
-
-    from jvllm.models.loader import hf_name
 
     tp = 1 if mesh is None else mesh.devices.size
     repeats = kv_replication(spec, tp)

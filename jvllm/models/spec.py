@@ -2,7 +2,9 @@
 
 Owns the translation of Hugging Face config fields (old `rope_scaling` and new
 `rope_parameters` spellings alike) into one frozen record, and rejects options the
-model code does not implement. It does not read weights (see `loader.py`).
+model code does not implement, and the Flax parameter path -> Hugging Face tensor
+name mapping (`hf_name`). It does not read weights (see `loader.py`) and imports
+nothing from jvllm.
 """
 
 from __future__ import annotations
@@ -143,3 +145,14 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+def hf_name(path: tuple[str, ...]) -> str:
+    """('model', 'layers_3', 'mlp', 'up_proj', 'weight') -> 'model.layers.3.mlp.up_proj.weight'."""
+    parts = []
+    for p in path:
+        if p.startswith("layers_"):
+            parts += ["layers", p.removeprefix("layers_")]
+        else:
+            parts.append("weight" if p == "embedding" else p)
+    return ".".join(parts)

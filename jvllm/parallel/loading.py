@@ -4,6 +4,7 @@ Each device's slice is cut from the memory-mapped tensor, converted to the targe
 dtype and transferred on its own, so no device (and no host buffer in the target
 dtype) ever holds a whole sharded tensor. KV projections of a model with fewer KV
 heads than devices are repeated head by head first (see `mesh.kv_replication`).
+Imports `mesh` only: the model loader calls this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jvllm.models.spec import ModelSpec
-from jvllm.parallel.mesh import kv_replication, partition_spec
+from jvllm.parallel.mesh import ModelShapes, kv_replication, partition_spec
 
 
 def to_numpy_dtype(dtype: jnp.dtype) -> np.dtype:
@@ -31,7 +31,7 @@ def repeat_kv_heads(array: np.ndarray, repeats: int, head_dim: int) -> np.ndarra
 class ShardedPlacer:
     """`place(name, array, dtype)` for `load_model` on a mesh."""
 
-    def __init__(self, mesh: Mesh, spec: ModelSpec) -> None:
+    def __init__(self, mesh: Mesh, spec: ModelShapes) -> None:
         self.mesh = mesh
         self.spec = spec  # the checkpoint's own spec, before KV replication
         self.tp = mesh.devices.size

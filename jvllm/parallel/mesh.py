@@ -8,25 +8,43 @@ vocabulary divides evenly, else replicated: vocab-parallel saves V*H/N memory pe
 device at the price of one all-gather of the logits. When a model has fewer KV
 heads than devices, each KV head is replicated `tp / num_kv_heads` times (as vLLM
 does), so every device still holds whole heads.
+
+Imports go one way: `jvllm.models` imports this package, never the reverse, so the
+rules read a model's shapes through the `ModelShapes` protocol (`ModelSpec` fits it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jvllm.models.spec import ModelSpec
-
 AXIS = "tp"
 
 # Activations and caches as seen by attention: heads on the tp axis.
 HEADS = P(None, AXIS, None)  # [T, H, D]
-CACHE = P(None, None, AXIS, None)  # [N, BS, Hkv, D]
+# [N, BS, Hkv, D]. No trailing None: a jitted step returns the cache with this exact
+# spec, and a spec spelled otherwise (equal in meaning) is a second compiled program.
+CACHE = P(None, None, AXIS)
+
+
+class ModelShapes(Protocol):
+    """The sizes the sharding rules split (`jvllm.models.spec.ModelSpec` has them)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -42,7 +60,7 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return Mesh(chosen, (AXIS,), axis_types=(AxisType.Auto,))
 
 
-def check_divisible(spec: ModelSpec, tp: int) -> None:
+def check_divisible(spec: ModelShapes, tp: int) -> None:
     """Rejects a model whose heads or MLP cannot be split `tp` ways."""
     problems = []
     if spec.num_heads % tp:
@@ -59,17 +77,12 @@ def check_divisible(spec: ModelSpec, tp: int) -> None:
         )
 
 
-def kv_replication(spec: ModelSpec, tp: int) -> int:
+def kv_replication(spec: ModelShapes, tp: int) -> int:
     """How many times each checkpoint KV head is repeated to give every device one."""
     return tp // spec.num_kv_heads if spec.num_kv_heads < tp else 1
 
 
-def sharded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The spec the model is built with: KV heads replicated up to `tp` when fewer."""
-    return dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_replication(spec, tp))
-
-
-def partition_spec(name: str, ndim: int, spec: ModelSpec, tp: int) -> P:
+def partition_spec(name: str, ndim: int, spec: ModelShapes, tp: int) -> P:
     """The PartitionSpec of one parameter, by its Hugging Face name."""
     if tp == 1:
         return P()

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
+from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.layers.attention import KVCache
-from jvllm.models.loader import LoadedModel, abstract_params, hf_name
+from jvllm.models.loader import LoadedModel, abstract_params, sharded_spec
 from jvllm.models.registry import model_class
-from jvllm.models.spec import ModelSpec
-from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated, sharded_spec
+from jvllm.models.spec import ModelSpec, hf_name
+from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated
 from jvllm.runner.model_runner import ModelRunner
 
 
@@ -119,10 +120,8 @@ class CompileOnlyRunner(ModelRunner):
         loaded: LoadedModel,
         device: jax.Device,
         num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
         mesh: Mesh | None = None,
         shared_compiles: dict[str, jax.stages.Compiled] | None = None,
     ) -> None:
@@ -130,12 +129,16 @@ class CompileOnlyRunner(ModelRunner):
         self.programs: list[CompiledProgram] = []
         # StableHLO digest and devices -> executable, shareable between runners.
         self.shared_compiles = {} if shared_compiles is None else shared_compiles
-        sizes = (num_blocks, block_size, max_model_len, max_num_seqs, max_num_batched_tokens)
-        super().__init__(loaded, *sizes, mesh)
+        super().__init__(loaded, num_blocks, cache_config, scheduler_config, mesh)
+        self.last_sampled = np.zeros(self.max_rows, np.int32)  # to_target places it
         for attribute, value in list(vars(self).items()):
             if attribute.endswith("_fn") and hasattr(value, "lower"):
                 name = attribute.strip("_").removesuffix("_fn")  # _forward_fn -> forward
                 setattr(self, attribute, _CompileOnCall(self, name, value))
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self.programs)
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         s = self.spec

@@ -15,7 +15,7 @@ them, so the host can prepare step N + 1 while step N runs.
 Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (steps
 of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
 to `min(T, max_num_seqs)`, so one forward program exists per T bucket.
-`num_compilations` counts every trace.
+`num_compilations` counts the programs in the jit caches: each is one compilation.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
@@ -102,25 +103,30 @@ class ModelRunner:
         self,
         loaded: LoadedModel,
         num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
         mesh: Mesh | None = None,
     ) -> None:
+        """`num_blocks` KV blocks of `cache_config.block_size` tokens; the scheduler's
+        limits fix the buckets and the block-table width."""
         self.model = loaded
         self.mesh = mesh
         self.spec = loaded.spec
-        self.block_size = block_size
+        self.block_size = block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        max_model_len = scheduler_config.max_model_len
         self.width = math.ceil(max_model_len / block_size)
-        self.token_buckets = token_buckets(max_num_batched_tokens, MIN_TOKEN_BUCKET)
+        self.token_buckets = token_buckets(
+            scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
+        )
         self.penalty_buckets = pow2_buckets(MIN_PENALTY_BUCKET, max(max_model_len, 64))
-        self.num_compilations = 0
-        self.max_rows = min(self.token_buckets[-1], max_num_seqs)  # the largest row bucket
+        self.max_rows = min(self.token_buckets[-1], self.max_num_seqs)  # the largest row bucket
         self.caches = self._allocate_cache(num_blocks)
-        self.last_sampled = self._put(np.zeros(self.max_rows, np.int32))  # [R]
+        zeros = np.zeros(self.max_rows, np.int32)  # [R]
+        # A device array, like the sampler output that replaces it every step: a host
+        # array here would give every forward bucket a second program at serve time.
+        self.last_sampled = jax.device_put(zeros) if mesh is None else self._put(zeros)
         self._forward_fn = jax.jit(
             self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
@@ -128,7 +134,14 @@ class ModelRunner:
         self._all_logprobs_fn = jax.jit(self._all_logprobs)
         self._copy_fn = jax.jit(self._copy_blocks, donate_argnames=("caches",))
 
-    # -- device programs (each body runs only while tracing, hence the counters) --
+    @property
+    def num_compilations(self) -> int:
+        """Programs compiled so far: the entries of every jitted function's cache."""
+        jitted = (self._forward_fn, self._sample_fn, self._all_logprobs_fn, self._copy_fn)
+        # _cache_size() is JAX's count of a jitted function's compiled executables.
+        return sum(fn._cache_size() for fn in jitted)
+
+    # -- device programs --
 
     def _forward(
         self,
@@ -138,7 +151,6 @@ class ModelRunner:
         last_sampled: jax.Array,
         shape: BatchShape,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array]:
-        self.num_compilations += 1
         inp = unpack(packed, shape, last_sampled)
         module = self.model.module
         hidden, caches = module.apply(
@@ -151,7 +163,6 @@ class ModelRunner:
     def _sample(
         self, logits: jax.Array, md: sampler.SamplingMetadata, last_input: jax.Array
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        self.num_compilations += 1
         out = sampler.sample(logits, md, last_input)
         padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
         if self.mesh is not None:  # placed as the forward expects it: no second program
@@ -163,7 +174,6 @@ class ModelRunner:
     ) -> tuple[jax.Array, ...]:
         """Every position's top-K logprobs and the logprob and rank of `targets` `[T]`
         (the next prompt token; any id where unused): only these leave the device."""
-        self.num_compilations += 1
         module = self.model.module
         logits = module.apply({"params": params}, hidden, method=module.logits)
         logprobs = jax.nn.log_softmax(logits)  # [T, V]
@@ -173,7 +183,6 @@ class ModelRunner:
         return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
 
     def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
-        self.num_compilations += 1
         return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in caches]
 
     # -- host side --

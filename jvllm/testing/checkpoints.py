@@ -1,10 +1,22 @@
-"""Tiny random-weight Hugging Face checkpoints of every supported architecture."""
+"""Random-weight Hugging Face checkpoints and tokenizers, for tests and benchmarks alike.
+
+Owns two ways to write one. `make_checkpoint` builds a tiny model of every supported
+architecture through Transformers (torch, float32), for tests that compare against
+the Transformers reference. `write_random_llama` writes a Llama checkpoint of any size
+straight from numpy into safetensors in the target dtype (no torch, no float32 copy),
+for the benchmarks' 8B-shaped models; `write_word_tokenizer` gives it a tokenizer whose
+ids are words "w4 w5 ...". Imports nothing of jvllm: the benchmarks import this module.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -83,3 +95,100 @@ def make_checkpoint(
         if f.is_file():
             shutil.copy(f, out / f.name)
     return out
+
+
+# -- any size, no torch ----------------------------------------------------------------
+
+WORD_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")  # ids 0..3; words follow
+
+
+def write_word_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with exactly `vocab_size` ids: specials, then words w4, w5...
+
+    Every id a random model samples decodes to text, and a prompt written as
+    "w17 w230 ..." encodes to exactly those ids.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = WORD_SPECIAL_TOKENS
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    names = dict(zip(("bos_token", "eos_token", "pad_token", "unk_token"), specials, strict=True))
+    PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(out_dir)
+
+
+def llama_tensor_shapes(config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Hugging Face Llama tensor names and `[out, in]` shapes of a config.json, in order."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, config["num_key_value_heads"] * head_dim
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    yield "model.embed_tokens.weight", (vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        yield layer + "input_layernorm.weight", (h,)
+        yield layer + "self_attn.q_proj.weight", (q, h)
+        yield layer + "self_attn.k_proj.weight", (kv, h)
+        yield layer + "self_attn.v_proj.weight", (kv, h)
+        yield layer + "self_attn.o_proj.weight", (h, q)
+        yield layer + "post_attention_layernorm.weight", (h,)
+        yield layer + "mlp.gate_proj.weight", (inter, h)
+        yield layer + "mlp.up_proj.weight", (inter, h)
+        yield layer + "mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    if not config.get("tie_word_embeddings"):
+        yield "lm_head.weight", (vocab, h)
+
+
+def write_random_llama(out_dir: Path, config: dict[str, Any], shard_bytes: int = 2 << 30) -> None:
+    """config.json and safetensors shards of N(0, 0.02) weights (norms 1) in
+    `config["dtype"]` ("float32" or "bfloat16").
+
+    Each tensor tiles a shifted copy of one random pool of a prime length, so 8B
+    parameters take seconds and never a float32 copy of the model.
+    """
+    import ml_dtypes
+
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[config["dtype"]]
+    rng = np.random.default_rng(0)
+    pool = (rng.standard_normal(1_000_003, np.float32) * 0.02).astype(dtype)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in llama_tensor_shapes(config):
+        nbytes = int(np.prod(shape)) * pool.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    _save_shards(out_dir, shards, pool)
+
+
+def _save_shards(
+    out_dir: Path, shards: list[list[tuple[str, tuple[int, ...]]]], pool: np.ndarray
+) -> None:
+    from safetensors.numpy import save_file
+
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards):
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {}
+        for k, (name, shape) in enumerate(shard):
+            if name.endswith("norm.weight"):
+                tensors[name] = np.ones(shape, pool.dtype)
+            else:
+                tensors[name] = np.resize(np.roll(pool, 7919 * (index * 1000 + k)), shape)
+            weight_map[name] = file
+            total += tensors[name].nbytes
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))

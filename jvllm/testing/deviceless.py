@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
+from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.models.loader import LoadedModel
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import make_mesh
@@ -114,16 +115,14 @@ _COMPILED: dict[str, jax.stages.Compiled] = {}
 def build_runner(
     loaded: LoadedModel, sizes: EngineSizes, num_blocks: int, device: jax.Device
 ) -> CompileOnlyRunner:
+    scheduler = SchedulerConfig(
+        max_num_seqs=sizes.max_num_seqs,
+        max_num_batched_tokens=sizes.max_num_batched_tokens,
+        max_model_len=sizes.max_model_len,
+    )
+    cache = CacheConfig(block_size=sizes.block_size)
     return CompileOnlyRunner(
-        loaded,
-        device,
-        num_blocks,
-        sizes.block_size,
-        sizes.max_model_len,
-        sizes.max_num_seqs,
-        sizes.max_num_batched_tokens,
-        loaded.module.mesh,
-        _COMPILED,
+        loaded, device, num_blocks, cache, scheduler, loaded.module.mesh, _COMPILED
     )
 
 

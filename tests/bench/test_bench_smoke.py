@@ -1,7 +1,9 @@
 """Smoke tests of the benchmark scripts: tiny sizes, seconds, and well-formed results.
 
-They assert the fields and that the values are sane (positive rates, fractions in
-range, lengths as requested), never a speed: CI machines vary too much for that.
+They assert the fields, that the figures agree with each other (rates times elapsed
+time give back the tokens and requests the workload asked for; ratios and roofline
+fractions recompute from the raw figures), and that fractions are in range, never a
+speed: CI machines vary too much for that.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def test_throughput_tiny_preset(tmp_path: Path) -> None:
     assert any(cache.iterdir()), "the persistent compilation cache stayed empty"
     runs = result["runs"]
     assert set(runs) == {"continuous", "static", "hf"}
+    workload = result["workload"]
+    output_tokens = workload["total_output_tokens"]
+    total_tokens = workload["total_input_tokens"] + output_tokens
     for name in ("continuous", "static", "hf"):
         run = runs[name]
-        for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
-            assert run[key] > 0, (name, key)
-        assert run["total_tokens_per_s"] > run["output_tokens_per_s"]
+        # Every request ran to exactly the output length the workload asked for.
+        elapsed = run["elapsed_s"]
+        assert run["requests_per_s"] * elapsed == pytest.approx(6, rel=1e-9), name
+        assert run["output_tokens_per_s"] * elapsed == pytest.approx(output_tokens, rel=1e-9)
+        assert run["total_tokens_per_s"] * elapsed == pytest.approx(total_tokens, rel=1e-9)
+    assert runs["hf"]["useful_output_tokens"] == output_tokens
     for name in ("continuous", "static"):
         run = runs[name]
         assert run["new_compilations"] == 0
@@ -65,10 +73,17 @@ def test_throughput_tiny_preset(tmp_path: Path) -> None:
     # Paged allocation wastes less than reserving max_model_len per sequence.
     assert runs["continuous"]["kv_utilisation"]["mean"] > runs["static"]["kv_utilisation"]["mean"]
     assert runs["hf"]["batch_size"] in result["preset"]["hf_batch_sizes"]
-    summary = result["summary"]
-    assert summary["ratios"]["continuous_over_hf"] > 0
-    assert summary["ratios"]["continuous_over_static"] > 0
-    assert summary["continuous"]["roofline_fraction"] > 0
+    summary, peak = result["summary"], result["yardstick"]["peak_flops"]
+    rate = {name: runs[name]["output_tokens_per_s"] for name in runs}
+    ratios = summary["ratios"]
+    assert ratios["continuous_over_hf"] == pytest.approx(rate["continuous"] / rate["hf"])
+    assert ratios["continuous_over_static"] == pytest.approx(rate["continuous"] / rate["static"])
+    for name in ("continuous", "static", "hf"):
+        figures = summary[name]
+        assert figures["roofline_fraction"] == pytest.approx(figures["flops_per_s"] / peak)
+    assert summary["continuous"]["flops_per_s"] == pytest.approx(
+        workload["useful_flops"] / runs["continuous"]["elapsed_s"]
+    )
 
 
 def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,11 +145,21 @@ def test_serve_against_jvllm_serve(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert "jvllm" in result["server_command"] and "serve" in result["server_command"]
     assert [r["request_rate"] for r in result["runs"]] == [8.0, "inf"]
+    workload = result["workload"]
+    output_tokens = workload["total_output_tokens"]
+    total_tokens = workload["total_input_tokens"] + output_tokens
     for run in result["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
         assert run["short_outputs"] == 0
         assert run["max_concurrency"] == 3
-        assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+        # Rates times duration give back what was asked for, and the server agrees.
+        duration = run["duration_s"]
+        assert run["request_throughput"] * duration == pytest.approx(4, rel=1e-9)
+        assert run["output_throughput"] * duration == pytest.approx(output_tokens, rel=1e-9)
+        assert run["total_token_throughput"] * duration == pytest.approx(total_tokens, rel=1e-9)
+        counters = run["server_counters"]
+        assert counters["jvllm:generation_tokens_total"] == output_tokens
+        assert counters["jvllm:prompt_tokens_total"] == workload["total_input_tokens"]
         assert run["goodput"] is not None and 0 <= run["goodput"] <= run["request_throughput"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             dist = run[key]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.models.loader import load_model
 from jvllm.runner.model_runner import ModelRunner
 
@@ -46,10 +47,10 @@ def make_runner(path, dtype: str = "float32", num_blocks: int = 128) -> ModelRun
     return ModelRunner(
         load_model(path, dtype),
         num_blocks=num_blocks,
-        block_size=BLOCK,
-        max_model_len=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=128,
+        cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512
+        ),
     )
 
 

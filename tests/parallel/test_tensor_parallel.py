@@ -7,9 +7,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from jvllm import LLM, SamplingParams
-from jvllm.models.loader import load_model
+from jvllm.config import CacheConfig, SchedulerConfig
+from jvllm.models.loader import LoadedModel, load_model
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner.input_batch import pack_rows
 from jvllm.runner.model_runner import ModelRunner
@@ -35,8 +37,12 @@ def prompt_batch() -> list[dict]:
 
 
 def generate(path, tp: int) -> list[list[int]]:
+    """Greedy token ids; also checks that serving compiles nothing warm-up did not."""
     llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_batch(), GREEDY, use_tqdm=False)]
+    warm = llm.get_metrics()["num_compilations"]
+    outs = llm.generate(prompt_batch(), GREEDY, use_tqdm=False)
+    assert llm.get_metrics()["num_compilations"] == warm
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_eight_host_devices():
@@ -49,6 +55,12 @@ def test_greedy_outputs_identical(checkpoints, arch, tp):
     assert generate(checkpoints[arch], tp) == generate(checkpoints[arch], 1)
 
 
+def small_runner(loaded: LoadedModel, mesh: Mesh | None = None) -> ModelRunner:
+    """16 blocks of 16 tokens; up to 8 sequences of 256 tokens, 64 tokens a step."""
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    return ModelRunner(loaded, 16, CacheConfig(block_size=16), scheduler, mesh)
+
+
 def test_tp8_with_replicated_kv_heads(wide_checkpoint):
     assert generate(wide_checkpoint, 8) == generate(wide_checkpoint, 1)
 
@@ -58,10 +70,10 @@ def test_logits_match_and_shards_are_split(checkpoints, tp):
     path = checkpoints["qwen3"]  # 4 query heads, 2 KV heads: TP=4 replicates KV heads
     ids = random_ids(37, seed=1)
     rows = [Row(ids, 0, [1, 2, 3])]
-    one = ModelRunner(load_model(path), 16, 16, 256, 8, 64).forward_logits(rows, True)[0]
+    one = small_runner(load_model(path)).forward_logits(rows, True)[0]
     mesh = make_mesh(tp)
     loaded = load_model(path, mesh=mesh)
-    runner = ModelRunner(loaded, 16, 16, 256, 8, 64, mesh)
+    runner = small_runner(loaded, mesh)
     many = runner.forward_logits(rows, True)[0]
     assert_close(many, one)
     layer = loaded.params["model"]["layers_0"]
@@ -97,7 +109,7 @@ def _compiled_forward(path, tp: int) -> tuple[str, str, ModelRunner]:
     """The TP forward of the smallest bucket: lowered StableHLO and compiled HLO text."""
     mesh = make_mesh(tp)
     loaded = load_model(path, mesh=mesh)
-    runner = ModelRunner(loaded, 16, 16, 256, 8, 64, mesh)
+    runner = small_runner(loaded, mesh)
     shape = runner.batch_shape(16)
     packed = runner._put(pack_rows([], shape, runner.block_size))
     lowered = runner._forward_fn.lower(

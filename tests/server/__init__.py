@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -128,19 +129,29 @@ def metrics(url: str) -> dict[str, float]:
     return values
 
 
-def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
-    """Polls /metrics until no request runs or waits and no KV block is held."""
+def wait_metrics(
+    url: str, done: Callable[[dict[str, float]], bool], timeout: float
+) -> dict[str, float]:
+    """Reads /metrics until `done` holds of them (or `timeout` seconds pass)."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        idle = (
+        if done(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Waits until no request runs or waits and no KV block is held."""
+    return wait_metrics(
+        url,
+        lambda m: (
             m["jvllm:num_requests_running"] == 0
             and m["jvllm:num_requests_waiting"] == 0
             and m["jvllm:kv_cache_usage_perc"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+        ),
+        timeout,
+    )
 
 
 def auth_headers(key: str = API_KEY) -> dict[str, str]:

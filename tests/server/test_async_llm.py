@@ -1,11 +1,14 @@
 """AsyncLLM against a fake engine (no jax, no HTTP): command ordering, aborts within one
-step, the queue bound, coalescing streams, latency observations and engine death."""
+step, the queue bound, coalescing streams, latency observations and engine death.
+
+A paced fake engine runs a step only when the test hands it a ticket, so every
+ordering these tests rely on is arranged, never waited out."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import time
 
 import pytest
 
@@ -24,36 +27,53 @@ from jvllm.sampling_params import SamplingParams
 
 
 class FakeEngine:
-    """One token per running request per step; at most `max_running` run at once."""
+    """One token per running request per step; at most `max_running` run at once.
+
+    `paced`: each step first takes a ticket that `allow()` hands out, so the test
+    decides how many steps run; `unpace()` lets it run freely again."""
 
     max_model_len, vocab_size, tokenizer = 64, 100, object()
 
-    def __init__(self, step_s: float = 0.002, max_running: int = 4) -> None:
-        self.step_s, self.max_running = step_s, max_running
+    def __init__(self, max_running: int = 4, paced: bool = False) -> None:
+        self.max_running = max_running
         self.requests: dict[str, tuple[int, list[int]]] = {}
+        self.added: list[str] = []
         self.steps = 0
         self.aborted_at: dict[str, int] = {}
+        self.aborted = threading.Event()
         self.fail = threading.Event()
         self.thread_ids: set[int] = set()
+        self._tickets = threading.Semaphore(0)
+        self._paced = paced
+
+    def allow(self, steps: int = 1) -> None:
+        self._tickets.release(steps)
+
+    def unpace(self) -> None:
+        self._paced = False
+        self._tickets.release()  # a step already waiting for its ticket
 
     def add_request(self, request_id, prompt, params, arrival_time=None):
         self.thread_ids.add(threading.get_ident())
         if prompt == "bad":
             raise ValueError("prompt 'bad' is refused")
+        self.added.append(request_id)
         self.requests[request_id] = (params.max_tokens, [])
 
     def abort_request(self, request_id):
         self.aborted_at[request_id] = self.steps
         self.requests.pop(request_id, None)
+        self.aborted.set()
 
     def has_unfinished_requests(self):
         return bool(self.requests)
 
     def step(self):
         self.thread_ids.add(threading.get_ident())
+        if self._paced:
+            self._tickets.acquire()
         if self.fail.is_set():
             raise RuntimeError("device lost")
-        time.sleep(self.step_s)
         self.steps += 1
         outputs = []
         for rid in list(self.requests)[: self.max_running]:
@@ -86,9 +106,20 @@ def run(coro_fn, engine: FakeEngine, **kw):
         try:
             return await coro_fn(llm)
         finally:
+            engine.unpace()
             await llm.shutdown()
 
     return asyncio.run(main())
+
+
+async def queue_add(llm: AsyncLLM, request_id: str, max_tokens: int) -> asyncio.Task:
+    """Starts an add and returns once its command is queued for the engine thread."""
+    queued = llm._num_queued
+    params = SamplingParams(max_tokens=max_tokens)
+    task = asyncio.ensure_future(llm.add_request(request_id, "p", params))
+    await asyncio.sleep(0)  # one turn of the loop: the task runs up to its wait
+    assert llm._num_queued == queued + 1, "the add did not queue its command"
+    return task
 
 
 def test_outputs_are_cumulative_and_observed_on_the_engine_thread():
@@ -118,73 +149,89 @@ def test_bad_request_raises_value_error_and_frees_its_slot():
 
 
 def test_close_aborts_before_the_next_step():
-    engine = FakeEngine(step_s=0.005)
+    engine = FakeEngine(paced=True)
 
     async def go(llm):
         stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        engine.allow(3)
         async for out in stream:
-            if len(out.outputs[0].token_ids) >= 3:
-                steps_at_close = engine.steps
-                stream.close()
+            if len(out.outputs[0].token_ids) == 3:
                 break
-        await asyncio.sleep(0.1)
+        steps_at_close = engine.steps  # 3: the fourth step waits for its ticket
+        stream.close()
+        engine.allow(1)
+        await asyncio.to_thread(engine.aborted.wait)
         return steps_at_close
 
     steps_at_close = run(go, engine)
+    assert steps_at_close == 3
     assert engine.aborted_at["a"] - steps_at_close <= 1
     assert not engine.requests
 
 
 def test_caller_cancelled_before_its_add_is_applied():
-    engine = FakeEngine(step_s=0.05)
+    engine = FakeEngine(paced=True)
 
     async def go(llm):
         busy = await llm.add_request("a", "p", SamplingParams(max_tokens=4))
-        task = asyncio.ensure_future(llm.add_request("b", "p", SamplingParams(max_tokens=4)))
-        await asyncio.sleep(0.01)  # queued behind the running step
+        # The engine is now in (or entering) a step it has no ticket for, so "b" is
+        # taken only after that step: cancelled by then.
+        task = await queue_add(llm, "b", max_tokens=4)
         task.cancel()
-        await asyncio.sleep(0.2)
-        assert "b" not in engine.requests and not llm.is_dead
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # the cancel has reached the engine's side of the command too
+        engine.unpace()
+        # Commands apply in order, so once "c" is added the engine has passed over "b".
         later = await llm.add_request("c", "p", SamplingParams(max_tokens=2))
+        assert engine.added == ["a", "c"] and not llm.is_dead
         return [o async for o in busy][-1].finished and [o async for o in later][-1].finished
 
     assert run(go, engine)
 
 
 def test_queue_bound():
-    engine = FakeEngine(step_s=0.005, max_running=1)
+    engine = FakeEngine(max_running=1, paced=True)
 
     async def go(llm):
         running = await llm.add_request("a", "p", SamplingParams(max_tokens=50))
+        engine.allow(1)
         await running.__anext__()  # scheduled: no longer queued
-        waiting = await llm.add_request("b", "p", SamplingParams(max_tokens=2))
+        adding = await queue_add(llm, "b", max_tokens=2)
+        engine.allow(1)  # adds apply between steps: this one after the second
+        waiting = await adding  # queued behind "a", which holds the only running slot
         with pytest.raises(QueueFullError):
             await llm.add_request("c", "p", SamplingParams(max_tokens=2))
         running.close()
+        engine.unpace()
         return [o async for o in waiting][-1]
 
     assert run(go, engine, max_queued_requests=1).finished
 
 
 def test_abort_all_errors_every_stream():
+    engine = FakeEngine(paced=True)
+
     async def go(llm):
         stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        engine.allow(1)
         await stream.__anext__()
         llm.abort_all("shutting down")
         with pytest.raises(RequestAbortedError, match="shutting down"):
             async for _ in stream:
                 pass
 
-    run(go, FakeEngine())
+    run(go, engine)
 
 
 def test_engine_death_errors_streams_and_later_requests():
-    engine, died = FakeEngine(), []
+    engine, died = FakeEngine(paced=True), []
 
     async def go(llm):
         stream = await llm.add_request("a", "p", SamplingParams(max_tokens=1000))
+        engine.allow(1)
         await stream.__anext__()
         engine.fail.set()
+        engine.allow(1)
         with pytest.raises(EngineDeadError, match="RuntimeError"):
             async for _ in stream:
                 pass

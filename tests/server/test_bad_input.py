@@ -125,6 +125,23 @@ def test_bad_input_gets_4xx_envelope(server, path, body, status):
     check_envelope(response, status)
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        (cmpl(prompt=""), "prompt", "invalid_value"),
+        (cmpl(prompt=[[]]), "prompt", "invalid_value"),
+        (cmpl(prompt=[1, 100000]), "prompt", "invalid_value"),
+        (cmpl(prompt="hello " * 400), "prompt", "context_length_exceeded"),
+        (cmpl(stop_token_ids=[100000]), "stop_token_ids", "invalid_value"),
+        (cmpl(logit_bias={"1": 1.0}), "logit_bias", None),
+    ],
+)
+def test_engine_validation_names_the_param(server, body, param, code):
+    response = httpx.post(server.url + C, json=body, headers=auth_headers(), timeout=30)
+    error = check_envelope(response, 400)
+    assert (error["param"], error["code"]) == (param, code)
+
+
 def test_bad_stream_request_fails_before_the_stream(server):
     body = cmpl(stream=True, max_tokens=100000)
     response = httpx.post(server.url + C, json=body, headers=auth_headers())

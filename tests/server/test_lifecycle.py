@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -88,7 +87,9 @@ def test_full_queue_503_then_sigterm_drains(checkpoints):
             assert full.headers["retry-after"] == "1"
             assert full.json()["error"]["code"] == "queue_full"
             server.proc.send_signal(15)  # SIGTERM
-            await asyncio.sleep(0.2)
+            # Logged once the server is draining, so the next request is refused.
+            draining = "shutting down: refusing new requests"
+            assert await asyncio.to_thread(server.wait_for_log, draining, 60), server.log()
             late = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
             assert (await client.get("/health")).status_code == 200  # draining, not dead
@@ -101,7 +102,6 @@ def test_full_queue_503_then_sigterm_drains(checkpoints):
             assert events[-1]["usage"]["completion_tokens"] == 480
             assert [e["choices"][0]["finish_reason"] for e in events[-2:-1]] == ["length"]
         assert server.wait_exit(60) == 0, server.log()
-        assert "shutting down: refusing new requests" in server.log()
     finally:
         server.stop()
 
@@ -143,8 +143,10 @@ def test_engine_death_fails_in_flight_and_exits_nonzero(tmp_path):
         error = json.loads(rest[-2][6:])["error"]
         assert error["code"] == "engine_dead" and "0x" not in error["message"]
         assert httpx.get(server.url + "/health").status_code == 503
-        started = time.monotonic()
-        assert server.wait_exit(30) != 0
-        assert time.monotonic() - started < 15
+        assert server.wait_exit(60) != 0
+        # It exits because the engine died, not after waiting out a drain.
+        log = server.log()
+        assert "the engine loop died: failing in-flight requests and exiting" in log
+        assert "shutdown timeout" not in log and "refusing new requests" not in log, log
     finally:
         server.stop()

@@ -5,6 +5,7 @@ usage, echo, stop strings, the side routes, and equality with `LLM.generate`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from types import SimpleNamespace
@@ -14,7 +15,15 @@ import openai
 import pytest
 
 from jvllm import LLM, SamplingParams
-from tests.server import API_KEY, SMALL_ENGINE, ServerProcess, auth_headers, metrics, wait_idle
+from tests.server import (
+    API_KEY,
+    SMALL_ENGINE,
+    ServerProcess,
+    auth_headers,
+    metrics,
+    wait_idle,
+    wait_metrics,
+)
 
 MODEL = "tiny-llama"
 PROMPT = "the quick brown fox jumps over"
@@ -245,9 +254,22 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(env):
     before = metrics(env.url)
     prompts = [f"{PROMPT} {i}" for i in range(8)]
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 240, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(env.url + "/v1/completions", json=body, headers=auth_headers(), timeout=0.15)
-    after = wait_idle(env.url, timeout=5)
+
+    async def leave_once_generating() -> None:
+        async with httpx.AsyncClient(base_url=env.url, headers=auth_headers()) as client:
+            task = asyncio.ensure_future(client.post("/v1/completions", json=body, timeout=120))
+            # Leave while the response is being generated: after its first tokens.
+            tokens = "jvllm:generation_tokens"
+            await asyncio.to_thread(
+                wait_metrics, env.url, lambda m: m[tokens] > before[tokens], 120
+            )
+            assert not task.done()
+            task.cancel()  # closes the connection: the server sees the client leave
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_once_generating())
+    after = wait_idle(env.url, timeout=60)
     assert after["jvllm:kv_cache_usage_perc"] == 0
     assert after["jvllm:generation_tokens"] - before["jvllm:generation_tokens"] < 8 * 240
 
