@@ -167,9 +167,12 @@ def test_no_compilations_after_warm_up(checkpoints):
             top_k=int(rng.choice([-1, 5])),
             min_p=float(rng.choice([0.0, 0.05])),
             seed=int(rng.integers(0, 1000)) if rng.random() < 0.5 else None,
-            max_tokens=int(rng.integers(1, 12)),
+            max_tokens=int(rng.integers(3, 12)),
             n=int(rng.choice([1, 1, 2])),
             logprobs=int(rng.choice([0, 3])) if rng.random() < 0.3 else None,
+            # min_tokens bans EOS and these ids until reached: up to 4 ids in all.
+            min_tokens=int(rng.choice([0, 0, 3])),
+            stop_token_ids=[int(t) for t in rng.integers(10, 100, int(rng.integers(0, 4)))],
         )
         for _ in lengths
     ]

@@ -49,6 +49,9 @@ from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
 MIN_PENALTY_BUCKET = 64
+# min_tokens ban lists (EOS and stop ids) are always this wide or wider, so the width
+# compiled at warm-up covers every request with up to 8 such ids: none recompiles.
+MIN_BAN_BUCKET = 8
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ class ModelRunner:
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
         banned = sampler.banned_width_needed(sampling_rows)
-        banned = max(8, 1 << (banned - 1).bit_length()) if banned else 0  # power-of-two bucket
+        banned = max(MIN_BAN_BUCKET, 1 << max(banned - 1, 0).bit_length())  # power of two
         md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
         out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
         scored = None
@@ -281,12 +284,13 @@ class ModelRunner:
         return split_by_row(every, [len(r.token_ids) for r in rows])
 
     def warm_up(self) -> None:
-        """Compiles every program serving can need (penalised sampling aside)."""
+        """Compiles every program serving can need (penalised sampling, and ban lists
+        longer than MIN_BAN_BUCKET, aside)."""
         greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
         for t in self.token_buckets:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
-            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
+            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0, MIN_BAN_BUCKET)
             jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
             targets = self._put(np.zeros(shape.num_tokens, np.int32))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
