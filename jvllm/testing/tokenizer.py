@@ -1,16 +1,13 @@
-"""A small byte-level BPE tokenizer trained on the fly, saved with a chat template."""
+"""A small byte-level BPE tokenizer trained on the fly for tests, saved with a chat
+template; random words, so it needs no corpus package."""
 
 from __future__ import annotations
 
-import itertools
 import random
 from pathlib import Path
 
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from jvllm.demo.tokenizer import train_tokenizer
+
 _WORDS = tuple(
     (
         "the quick brown fox jumps over a lazy dog while paged attention keeps every "
@@ -35,28 +32,8 @@ def _corpus(seed: int = 0, lines: int = 2000) -> list[str]:
 
 
 def make_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
-    """Trains and saves a tokenizer (BOS-prefixed, EOS `</s>`, chat template) to out_dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """Trains and saves a tokenizer (BOS-prefixed, EOS `</s>`, chat template) to out_dir:
+    the demo model's recipe (`jvllm.demo.tokenizer`) on a random-word corpus."""
     out = Path(out_dir)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = [BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(itertools.chain(_corpus()), trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    train_tokenizer(out, _corpus(), vocab_size)
     return out
