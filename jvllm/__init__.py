@@ -9,15 +9,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "jvllm.llm",
     "RequestOutput": "jvllm.outputs",
     "CompletionOutput": "jvllm.outputs",
+    "BeamSearchOutput": "jvllm.beam_search",
+    "BeamSearchSequence": "jvllm.beam_search",
 }
 
 

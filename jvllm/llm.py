@@ -1,4 +1,4 @@
-"""LLM: the offline API, `generate` and `chat` over a batch of prompts.
+"""LLM: the offline API, `generate`, `chat` and `beam_search` over a batch of prompts.
 
 Owns turning a user's batch into engine requests and collecting the finished
 outputs in input order, with a progress bar. Everything else is LLMEngine's.
@@ -14,10 +14,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jvllm import compat
+from jvllm.beam_search import BeamSearchOutput, BeamSearchSequence
+from jvllm.engine.beam_search import hypothesis_score
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -102,7 +104,44 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def beam_search(
+        self,
+        prompts: Prompt | list[int] | Sequence[Prompt | list[int]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search of every prompt (a string, token ids, or vLLM's prompt dicts) at
+        once, each on its own shared KV blocks; the sequences of each output best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        outs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        results = []
+        for out in outs:
+            sequences = [
+                BeamSearchSequence(
+                    tokens=out.prompt_token_ids + c.token_ids,
+                    logprobs=c.logprobs or [],
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    score=hypothesis_score(
+                        c.cumulative_logprob or 0.0, len(c.token_ids), params.length_penalty
+                    ),
+                )
+                for c in out.outputs
+            ]
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _add_all(
+        self, prompts: list[Prompt], params: Sequence[SamplingParams | BeamSearchParams]
+    ) -> list[str]:
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

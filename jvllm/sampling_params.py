@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Top logprobs the sampler computes per row: MAX_LOGPROBS for users, and the
+# (1 + number of EOS ids) * beam_width candidates a beam proposes each step.
+NUM_TOP_CANDIDATES = 32
+# Widest beam search (`BeamSearchParams.beam_width`).
+MAX_BEAM_WIDTH = 8
 # Greedy sampling is used below this temperature (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -104,6 +109,47 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """One beam search request (vLLM's `BeamSearchParams`), run by `LLM.beam_search`.
+
+    Follows Transformers' `generate(num_beams=beam_width, do_sample=False)`: scores are
+    cumulative log-probabilities divided by `generated_length ** length_penalty`, and
+    `early_stopping` is its rule (False: stop once no running beam can beat the worst of
+    `beam_width` finished ones at the current length; True: stop at `beam_width` finished;
+    "never": as False, but judged at max_tokens when length_penalty > 0).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(
+                f"BeamSearchParams.{name} must be {expected}, got {getattr(self, name)!r}"
+            )
+
+        width = self.beam_width
+        if isinstance(width, bool) or not isinstance(width, int) or not 0 < width <= MAX_BEAM_WIDTH:
+            raise bad("beam_width", f"an integer in [1, {MAX_BEAM_WIDTH}]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if not _finite(self.temperature) or self.temperature != 0.0:
+            raise bad("temperature", "0 (beam search here is deterministic; sample with n instead)")
+        if not _finite(self.length_penalty):
+            raise bad("length_penalty", "a finite number")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise bad("early_stopping", 'False, True or "never"')
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
 
 
 def _finite(value: object) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jvllm.outputs import CompletionOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ class ChoiceCursor:
     finished: bool = False
 
     @classmethod
-    def for_params(cls, params: SamplingParams) -> ChoiceCursor:
-        stops = params.stop_strings
+    def for_params(cls, params: SamplingParams | BeamSearchParams) -> ChoiceCursor:
+        # A beam search has no stop strings: its whole text arrives when it finishes.
+        stops = params.stop_strings if isinstance(params, SamplingParams) else []
         return cls(holdback=max(len(s) for s in stops) - 1 if stops else 0)
 
     def advance(self, output: CompletionOutput) -> Delta | None:

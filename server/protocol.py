@@ -65,6 +65,9 @@ class SamplingRequest(Strict):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's beam search extras: n beams, Transformers' length penalty.
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
 
     @property
     def include_usage(self) -> bool:

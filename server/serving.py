@@ -32,7 +32,7 @@ from jvllm.engine.async_llm import (
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 from .errors import APIError, from_validation_error
 from .protocol import SamplingRequest
@@ -191,9 +191,11 @@ def stream_error(e: Exception) -> APIError:
 
 def sampling_params(
     req: SamplingRequest, max_tokens: int, defaults: RequestDefaults, **extra: Any
-) -> SamplingParams:
+) -> SamplingParams | BeamSearchParams:
     """SamplingParams from the shared request fields, the model's defaults filling those
-    left unset; 400 names the bad field."""
+    left unset (BeamSearchParams with `use_beam_search`); 400 names the bad field."""
+    if req.use_beam_search:
+        return beam_search_params(req, max_tokens, extra)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
     kwargs: dict[str, Any] = dict(
@@ -223,6 +225,47 @@ def sampling_params(
     except ValueError as e:
         message = str(e).removeprefix("SamplingParams.")
         raise APIError(400, message, param=message.split(" ")[0], code="invalid_value") from None
+
+
+# Fields a beam search cannot honour, with the values that leave them off.
+_NOT_WITH_BEAM_SEARCH = {
+    "top_p": (None, 1.0),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "stop": (None, []),
+    "stop_token_ids": (None, []),
+    "min_tokens": (0,),
+    "logit_bias": (None, {}),
+}
+
+
+def beam_search_params(
+    req: SamplingRequest, max_tokens: int, extra: dict[str, Any]
+) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: `n` beams; sampling knobs a beam search cannot honour
+    are refused by name rather than ignored."""
+    for name, off in _NOT_WITH_BEAM_SEARCH.items():
+        if getattr(req, name) not in off:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    for name, value in extra.items():
+        if value is not None:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(
+            beam_width=req.n,
+            max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos,
+            temperature=req.temperature or 0.0,
+            length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        message = str(e).removeprefix("BeamSearchParams.")
+        field = {"beam_width": "n"}.get(message.split(" ")[0], message.split(" ")[0])
+        raise APIError(400, message, param=field, code="invalid_value") from None
 
 
 def usage(outputs: list[RequestOutput]) -> Usage:

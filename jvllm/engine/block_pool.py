@@ -137,6 +137,11 @@ class BlockPool:
         self._cached_by_block[block_id] = cached
         return cached.content_id
 
+    def uncache(self, block_id: int) -> None:
+        """Forget a held block's cached content (it was registered but never written)."""
+        assert self._ref_counts[block_id] > 0, f"uncaching free block {block_id}"
+        self._evict(block_id)
+
     def _evict(self, block_id: int) -> None:
         cached = self._cached_by_block.pop(block_id, None)
         if cached is not None:

@@ -165,6 +165,22 @@ class KVCacheManager:
         self._block_hashes.pop(request_id, None)
         self._content_ids.pop(request_id, None)
 
+    def drop_unwritten(self, request: Request) -> None:
+        """Uncache the blocks this request registered beyond its computed tokens.
+
+        Blocks are registered when allocated, ahead of the step that writes them; a
+        request that then loses its blocks unscheduled (its unit preempted or rolled back
+        in the same `schedule()`) must not leave them findable.
+        """
+        content_ids = self._content_ids.get(request.request_id, [])
+        table = self._block_tables.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        for index in range(first, len(content_ids)):
+            cached = self.block_pool.cached_block(table[index])
+            if cached is not None and cached.content_id == content_ids[index]:
+                self.block_pool.uncache(table[index])
+        del content_ids[first:]
+
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """The (src, dst) copies requested since the last call, in order.
 

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jvllm.config import EngineConfig
+from jvllm.engine.beam_search import Beam, BeamGroup, Candidates, check_beam_search
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.validation import validate_request
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams, SamplingRow
+from jvllm.sampling_params import BeamSearchParams, SamplingParams, SamplingRow
 
 
 class StepRunner(Protocol):
@@ -51,7 +52,7 @@ class _InFlight:
     """A dispatched step, with what committing it needs."""
 
     sched: SchedulerOutput
-    states: list[SequenceState]
+    states: list[SequenceState | Beam]
     want_prompt: list[bool]
     pending: Any  # the runner's handle; result() -> StepResult
 
@@ -76,6 +77,8 @@ class LLMEngine:
         self._rng = random.Random(config.model_config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._seqs: dict[str, SequenceState] = {}  # child request id -> its state
+        self._beam_groups: dict[str, BeamGroup] = {}
+        self._beams: dict[str, Beam] = {}  # live beam's request id -> the beam
         self._finished_outputs: list[RequestOutput] = []  # aborted before their next step
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
@@ -88,15 +91,19 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | dict[str, Any],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Validates and queues a request; raises ValueError before it enters the engine."""
-        if request_id in self._groups:
+        """Validates and queues a request (a beam search with BeamSearchParams); raises
+        ValueError before it enters the engine."""
+        if request_id in self._groups or request_id in self._beam_groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        validate_request(text, ids, params, self.vocab_size, self.max_model_len)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if isinstance(params, BeamSearchParams):
+            self._add_beam_search(request_id, text, ids, params, arrival)
+            return
+        validate_request(text, ids, params, self.vocab_size, self.max_model_len)
         group = SequenceGroup(request_id, text, ids, params, arrival)
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
@@ -109,6 +116,31 @@ class LLMEngine:
         self._groups[request_id] = group
         for state in group.children:
             self.scheduler.add_request(state.request)
+        self.prompt_tokens += len(ids)
+
+    def _add_beam_search(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: BeamSearchParams,
+        arrival: float,
+    ) -> None:
+        sched = self.config.scheduler_config
+        validate_request(text, ids, SamplingParams(), self.vocab_size, self.max_model_len)
+        if sched.scheduling_policy == "static":
+            raise ValueError("beam search needs scheduling_policy='continuous', not 'static'")
+        group = BeamGroup(
+            request_id, text, ids, params, self.eos_token_ids, self.max_model_len, arrival
+        )
+        block_size = self.config.cache_config.block_size
+        blocks_per_beam = -(-(len(ids) + group.max_generated) // block_size)
+        num_usable = self.scheduler.kv_cache_manager.block_pool.num_usable_blocks
+        check_beam_search(params, sorted(self.eos_token_ids), sched, num_usable, blocks_per_beam)
+        self._beam_groups[request_id] = group
+        (root,) = group.beams
+        self._beams[root.request.request_id] = root
+        self.scheduler.add_request(root.request)
         self.prompt_tokens += len(ids)
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -133,6 +165,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request (all its sequences) and frees its blocks at once."""
+        beams = self._beam_groups.get(request_id)
+        if beams is not None:
+            self._retire_beams(beams, RequestStatus.FINISHED_ABORTED)
+            self._finished_outputs.append(beams.output(self.tokenizer))
+            return
         group = self._groups.get(request_id)
         if group is None:
             return
@@ -144,7 +181,7 @@ class LLMEngine:
     # -- one step --
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._in_flight is not None
+        return bool(self._groups or self._beam_groups) or self._in_flight is not None
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedules and dispatches one device step, commits the step before it (or,
@@ -153,6 +190,9 @@ class LLMEngine:
         `final_only` just those that finished (offline use: no per-step copies)."""
         outputs, self._finished_outputs = self._finished_outputs, []
         sched = self.scheduler.schedule()
+        for request_id in sched.preempted_request_ids:
+            if request_id in self._beams:
+                self._beams[request_id].candidates = None  # it recomputes and proposes again
         if sched.blocks_to_copy:
             self.runner.copy_blocks(sched.blocks_to_copy)
         launched = self._launch(sched) if sched.scheduled else None
@@ -168,7 +208,7 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput) -> _InFlight:
         rows = sched.scheduled
-        states = [self._seqs[row.request_id] for row in rows]
+        states = [self._seqs.get(row.request_id) or self._beams[row.request_id] for row in rows]
         sampling_rows = [
             s.sampling_row(self.eos_token_ids, row) if row.samples else _IDLE_ROW
             for s, row in zip(states, rows, strict=True)
@@ -192,9 +232,16 @@ class LLMEngine:
         }
         self.scheduler.update_from_output(flight.sched, sampled)
         touched: dict[str, SequenceGroup] = {}
+        proposed: dict[str, BeamGroup] = {}
         for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
             if state.finished:
                 continue  # stopped or aborted after this step was dispatched
+            if isinstance(state, Beam):
+                # Preempted since dispatch: not awaiting selection, it proposes again.
+                if row.samples and state.request.awaiting_selection:
+                    state.candidates = self._candidates(result, i, state.group_id)
+                    proposed[state.group_id] = self._beam_groups[state.group_id]
+                continue
             if flight.want_prompt[i]:
                 state.add_prompt_logprobs(row, result.prompt_logprobs[i])
             if row.samples:
@@ -202,13 +249,48 @@ class LLMEngine:
                 state.add_token(result, i)
                 self._check_stop(state)
             touched[state.group_id] = self._groups[state.group_id]
-        outputs = []
+        outputs = [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
             if group.finished:
                 outputs.append(self._retire(group))
             elif not final_only:
                 outputs.append(group.output())
         return outputs
+
+    def _candidates(self, result: Any, row: int, group_id: str) -> Candidates:
+        k = self._beam_groups[group_id].num_candidates
+        return Candidates(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist())
+
+    def _select(self, group: BeamGroup) -> RequestOutput | None:
+        """Advances a beam search whose live beams have all proposed; its output once done."""
+        if not group.ready:
+            return None
+        continuations, done = group.select()
+        if done:
+            self._retire_beams(group, RequestStatus.FINISHED_STOPPED)
+            return group.output(self.tokenizer)
+        parents, children, pairs = group.beams, [], []
+        for c in continuations:
+            request = group.new_request([*c.parent.request.output_token_ids, c.token_id])
+            history = [*c.parent.history, c.parent.candidates]
+            children.append(Beam(request, group.request_id, c.cum_logprob, history))
+            pairs.append((request, c.parent.request))
+        self.scheduler.replace_beams([p.request for p in parents], pairs)
+        for parent in parents:
+            parent.finished = True
+            del self._beams[parent.request.request_id]
+        for beam in children:
+            self._beams[beam.request.request_id] = beam
+        group.beams = children
+        self.generation_tokens += len(children)
+        return None
+
+    def _retire_beams(self, group: BeamGroup, status: RequestStatus) -> None:
+        for beam in group.beams:
+            beam.finished = True
+            del self._beams[beam.request.request_id]
+            self.scheduler.finish_request(beam.request.request_id, status)
+        del self._beam_groups[group.request_id]
 
     def _check_stop(self, state: SequenceState) -> None:
         request, params = state.request, state.request.sampling_params

@@ -42,6 +42,9 @@ class Request:
 
     `fork_source` names a running sibling with the same prompt whose KV blocks this
     request may share at admission (the n > 1 children of one user request).
+    `beam_group` names the beam search request this one is a beam of; the beams of a
+    group are scheduled, admitted and preempted together (`Scheduler`), and a beam's next
+    token is chosen by its group, not by its own sample (`jvllm.engine.beam_search`).
     """
 
     def __init__(
@@ -51,12 +54,18 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float = 0.0,
         fork_source: str | None = None,
+        beam_group: str | None = None,
+        beam_width: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.fork_source = fork_source
+        self.beam_group = beam_group
+        self.beam_width = beam_width
+        # A beam whose row has sampled: it waits for its group to choose the next beams.
+        self.awaiting_selection = False
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         # Tokens whose K/V are in the cache or being written by a dispatched step; reset
@@ -84,6 +93,14 @@ class Request:
     @property
     def num_outputs_with_placeholders(self) -> int:
         return len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def waits_for_selection(self) -> bool:
+        """A beam whose candidates are out (on the device or with its group): its next
+        token is not known until the group selects."""
+        return self.beam_group is not None and (
+            self.awaiting_selection or self.num_output_placeholders > 0
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

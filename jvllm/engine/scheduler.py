@@ -3,8 +3,10 @@
 Owns the waiting queue and the running list, the per-step token budget
 (`max_num_batched_tokens`) and sequence limit (`max_num_seqs`), chunked prefill,
 preemption by recompute, the admission of n > 1 siblings by forking their source's KV
-blocks, and the "static" policy used as a baseline. Block accounting is delegated to the
-KV cache manager; stop conditions, detokenization and outputs belong to the LLM engine.
+blocks, the beams of a beam search (a unit: scheduled, admitted and preempted together;
+`replace_beams` forks the chosen beams' blocks), and the "static" policy used as a
+baseline. Block accounting is delegated to the KV cache manager; stop conditions,
+detokenization and outputs belong to the LLM engine.
 
 Protocol: `schedule()`, dispatch the step, `update_from_output()` once its sampled
 tokens are known. Overlapped (async) scheduling calls `schedule()` once more before
@@ -144,9 +146,34 @@ class Scheduler:
                 continue
             assert request.num_output_placeholders > 0, (request, row)
             request.num_output_placeholders -= 1
+            if request.beam_group is not None:
+                # Its group picks the next token from the row's candidates (replace_beams).
+                request.awaiting_selection = request.status is RequestStatus.RUNNING
+                continue
             request.output_token_ids.append(sampled[row.request_id])
             if request.status is RequestStatus.RUNNING:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
+
+    def replace_beams(
+        self, parents: list[Request], children: list[tuple[Request, Request]]
+    ) -> None:
+        """A beam group's selection: each (child, parent) pair continues the parent with
+        one more token and shares the parent's computed K/V blocks (copy-on-write when it
+        writes into a shared one); then the parents go. Every parent is running and
+        awaiting selection; the children take the parents' place in `running`."""
+        kv = self.kv_cache_manager
+        position = min(self.running.index(p) for p in parents)
+        for child, parent in children:
+            assert parent.awaiting_selection and parent.status is RequestStatus.RUNNING, parent
+            assert child.num_tokens == parent.num_computed_tokens + 1, (child, parent)
+            kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self._requests[child.request_id] = child
+        for parent in parents:
+            self.finish_request(parent.request_id, RequestStatus.FINISHED_STOPPED)
+        self.running[position:position] = [child for child, _ in children]
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish a waiting, running or preempted request and free its blocks now.
@@ -184,24 +211,61 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         index = 0
         while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            if self._reaches_length_limit(request):
-                index += 1  # finishes when its last placeholder is committed
-                continue
+            unit = self._unit_at(index)
+            # A request whose sampled tokens end it by length finishes when its last
+            # placeholder is committed; a beam waits for its group's selection.
+            todo = [r for r in unit if not (r.waits_for_selection or self._reaches_length_limit(r))]
+            if todo and not self._schedule_unit(step, unit, todo):
+                return
+            index += len(unit)
+
+    def _schedule_unit(self, step: _Step, unit: list[Request], todo: list[Request]) -> bool:
+        """Schedules `todo` (the unit's requests with work) all together or not at all;
+        False when the unit itself was preempted, so nothing behind it fits either."""
+        if len(todo) > step.budget:
+            return True  # the beams of a group run in one step: wait for a fresh budget
+        sizes, budget = [], step.budget
+        for i, request in enumerate(todo):
+            # Every request after this one keeps at least one token of the budget.
             num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
+                request.num_tokens_with_placeholders - request.num_computed_tokens,
+                budget - (len(todo) - 1 - i),
             )
             assert num_new > 0, f"{request} has nothing to compute"
+            sizes.append(num_new)
+            budget -= num_new
+        for request, num_new in zip(todo, sizes, strict=True):
             while not self.kv_cache_manager.allocate_slots(request, num_new):
-                # Preempt the most recently admitted request that is not scheduled yet:
-                # everything before `index` is scheduled, so the tail is always eligible.
-                victim = self.running.pop()
-                self._preempt(victim)
-                step.preempted_ids.append(victim.request_id)
-                if victim is request:
-                    return
+                # Preempt the most recently admitted unit that is not scheduled yet:
+                # everything before this unit is scheduled, so the tail is always eligible.
+                victims = self._pop_tail_unit()
+                for victim in reversed(victims):  # so the unit keeps its order in waiting
+                    self._preempt(victim)
+                step.preempted_ids += [v.request_id for v in victims]
+                if unit[0] in victims:
+                    return False
+        for request, num_new in zip(todo, sizes, strict=True):
             self._add_row(step, request, num_new)
-            index += 1
+        return True
+
+    def _unit_at(self, index: int) -> list[Request]:
+        """The running request at `index`, or with the beams of its group that follow it."""
+        first = self.running[index]
+        end = index + 1
+        if first.beam_group is not None:
+            while end < len(self.running) and self.running[end].beam_group == first.beam_group:
+                end += 1
+        return self.running[index:end]
+
+    def _pop_tail_unit(self) -> list[Request]:
+        """Removes the last running request from `running`, with its beam group's run."""
+        start = len(self.running) - 1
+        group = self.running[start].beam_group
+        if group is not None:
+            while start > 0 and self.running[start - 1].beam_group == group:
+                start -= 1
+        unit, self.running[start:] = self.running[start:], []
+        return unit
 
     def _reaches_length_limit(self, request: Request) -> bool:
         """Whether the tokens already sampled (some still on the device) end the request
@@ -215,17 +279,30 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Admit waiting requests in FIFO order while budget, sequences and blocks allow."""
+        """Admit waiting requests in FIFO order while budget, sequences and blocks allow;
+        the beams of a group (preempted together) are admitted together."""
         skipped: list[Request] = []
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
-            request = self.waiting.popleft()
-            if request.num_output_placeholders or self._must_wait_for_source(request, step):
-                skipped.append(request)  # does not hold up the requests behind it
+        # Sequences a beam search that has not forked yet will add to its one.
+        unforked = sum(r.beam_width - 1 for r in self.running if _is_unforked_beam(r))
+        free_seats = self.scheduler_config.max_num_seqs - len(self.running) - unforked
+        while self.waiting and step.budget > 0:
+            unit = [self.waiting.popleft()]
+            while (
+                self.waiting
+                and unit[0].beam_group is not None
+                and (self.waiting[0].beam_group == unit[0].beam_group)
+            ):
+                unit.append(self.waiting.popleft())
+            if any(r.num_output_placeholders for r in unit) or self._must_wait_for_source(
+                unit[0], step
+            ):
+                skipped += unit  # does not hold up the requests behind it
                 continue
-            if not self._admit(request, step):
-                self.waiting.appendleft(request)
+            seats = unit[0].beam_width if _is_unforked_beam(unit[0]) else len(unit)
+            if seats > free_seats or not self._admit_unit(step, unit):
+                self.waiting.extendleft(reversed(unit))
                 break
+            free_seats -= seats
         self.waiting.extendleft(reversed(skipped))
 
     def _must_wait_for_source(self, request: Request, step: _Step) -> bool:
@@ -243,41 +320,65 @@ class Scheduler:
             computed < request.num_prompt_tokens - 1
         )
 
-    def _admit(self, request: Request, step: _Step) -> bool:
-        """Take blocks for the request and schedule its first chunk; False if blocks run out."""
+    def _admit_unit(self, step: _Step, unit: list[Request]) -> bool:
+        """Take blocks for every request of the unit and schedule their first chunks; False,
+        changing nothing, if the budget or the blocks do not suffice for all of them."""
+        if len(unit) > step.budget:
+            return False
+        sizes, budget = [], step.budget
+        for i, request in enumerate(unit):
+            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i))
+            if num_new is None:
+                for taken in unit[:i]:
+                    self.kv_cache_manager.drop_unwritten(taken)
+                    self.kv_cache_manager.free(taken.request_id)
+                    taken.num_computed_tokens = 0
+                return False
+            sizes.append(num_new)
+            budget -= num_new
+        for request, num_new in zip(unit, sizes, strict=True):
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_row(step, request, num_new)
+        return True
+
+    def _take_blocks(self, request: Request, budget: int) -> int | None:
+        """Take blocks for a waiting request's first chunk of at most `budget` tokens and
+        set its computed tokens to what it shares; the chunk's size, or None (nothing
+        taken) when the free blocks do not suffice."""
         kv = self.kv_cache_manager
         if request.fork_source is not None:
             # Share the whole prompt but its last token, which the child runs to sample.
             num_shared = request.num_prompt_tokens - 1
             kv.fork(request.fork_source, request.request_id, num_shared)
             request.num_computed_tokens = num_shared
-            num_new = min(request.num_tokens - num_shared, step.budget)
+            num_new = min(request.num_tokens - num_shared, budget)
             if not kv.allocate_slots(request, num_new):
                 kv.free(request.request_id)
                 request.num_computed_tokens = 0
-                return False
+                return None
         else:
             prefix = kv.find_cached_prefix(request)
             num_shared = prefix.num_tokens
-            num_new = min(request.num_tokens - num_shared, step.budget)
+            num_new = min(request.num_tokens - num_shared, budget)
             # The static baseline reserves a whole max_model_len sequence up front.
             reserve = self.scheduler_config.max_model_len if self.is_static else 0
             if not kv.allocate_slots(request, num_new, prefix, reserve):
-                return False
+                return None
             request.num_computed_tokens = num_shared
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_shared
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self._add_row(step, request, num_new)
-        return True
+        return num_new
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop all its K/V; it prefills everything again later."""
         assert not self.is_static, "the static policy reserves blocks and never preempts"
+        # A request of the unit being scheduled may hold blocks this step never writes.
+        self.kv_cache_manager.drop_unwritten(request)
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.awaiting_selection = False  # its candidates are dropped: it samples again
         request.num_preemptions += 1
         self._num_preemptions += 1
         self.waiting.appendleft(request)
@@ -311,3 +412,8 @@ class Scheduler:
         request.num_computed_tokens = end
         if samples:
             request.num_output_placeholders += 1
+
+
+def _is_unforked_beam(request: Request) -> bool:
+    """The one request of a beam search before its first selection."""
+    return request.beam_group is not None and not request.output_token_ids

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jvllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingRow
+from jvllm.sampling_params import NUM_TOP_CANDIDATES, SAMPLING_EPS, SamplingRow
 
 # The runner builds these on the host as numpy; inside jit they are jax arrays.
 Array = jax.Array | np.ndarray
@@ -58,7 +58,7 @@ class SamplingMetadata:
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]; raw log_softmax at the sampled token
-    top_ids: jax.Array  # i32[S, K], K = min(MAX_LOGPROBS, V)
+    top_ids: jax.Array  # i32[S, K], K = min(NUM_TOP_CANDIDATES, V)
     top_logprobs: jax.Array  # f32[S, K]
 
 
@@ -83,7 +83,7 @@ def sample(
 
     # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
     token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
-    num_top = min(MAX_LOGPROBS, logits.shape[-1])
+    num_top = min(NUM_TOP_CANDIDATES, logits.shape[-1])
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]

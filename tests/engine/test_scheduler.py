@@ -262,6 +262,54 @@ def test_cache_too_small_for_one_sequence_is_rejected():
 # Property tests: seeded random traces driven like an engine, with a simulated KV cache.
 
 
+def _beam(request_id: str, prompt: list[int], outputs: list[int], width: int) -> Request:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=None))
+    request.beam_group, request.beam_width = "g", width
+    request.output_token_ids = list(outputs)
+    return request
+
+
+def test_beams_fork_from_their_parents_and_run_as_one_unit():
+    scheduler = _scheduler(num_blocks=16, budget=64, max_num_seqs=4, max_model_len=40)
+    root = _beam("g#0", list(range(1, 13)), [], width=3)
+    scheduler.add_request(root)
+    _add(scheduler, "other", [50, 51])
+    assert _rows(_step(scheduler))["g#0"] == (0, 12, True)
+    assert root.awaiting_selection and root.output_token_ids == []  # no token of its own
+    assert "g#0" not in _rows(_step(scheduler))  # waits for its group's selection
+    children = [_beam(f"g#{i}", root.prompt_token_ids, [90 + i % 2], 3) for i in (1, 2, 3)]
+    scheduler.replace_beams([root], [(c, root) for c in children])
+    kv = scheduler.kv_cache_manager
+    shared = kv.get_block_table("g#0")
+    assert shared == [] and root.status is RequestStatus.FINISHED_STOPPED
+    tables = [kv.get_block_table(c.request_id) for c in children]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 2
+    out = _step(scheduler)
+    assert [_rows(out)[c.request_id] for c in children] == [(12, 1, True)] * 3
+    # Two of the three copy the shared partial block before writing into it.
+    assert len(out.blocks_to_copy) == 2
+    assert [r.request_id for r in scheduler.running] == ["g#1", "g#2", "g#3", "other"]
+
+
+def test_a_unit_that_preempts_itself_leaves_no_unwritten_block_cached():
+    # Three usable blocks: the prompt's two, one free. The first beam's copy-on-write
+    # takes the free block and registers it full, the second finds none: the group
+    # preempts itself, and the first beam's block was never written.
+    scheduler = _scheduler(num_blocks=4, budget=64, max_num_seqs=4, max_model_len=24)
+    prompt = list(range(1, 16))  # 15 tokens: one full block and seven positions
+    root = _beam("g#0", prompt, [], width=3)
+    scheduler.add_request(root)
+    _step(scheduler)
+    children = [_beam(f"g#{i}", prompt, [20 + i], 3) for i in (1, 2, 3)]
+    scheduler.replace_beams([root], [(c, root) for c in children])
+    out = scheduler.schedule()
+    assert out.scheduled == [] and sorted(out.preempted_request_ids) == ["g#1", "g#2", "g#3"]
+    pool = scheduler.kv_cache_manager.block_pool
+    cached = {pool.cached_block(b).token_ids for b in range(1, 4) if pool.cached_block(b)}
+    assert cached == {tuple(prompt[:BS])}
+    assert [r.request_id for r in scheduler.waiting] == ["g#1", "g#2", "g#3"]
+
+
 class _Trace:
     """Runs one random workload through a Scheduler and checks every step's invariants.
 
@@ -300,6 +348,10 @@ class _Trace:
         self.unfinished: dict[str, Request] = {}
         self.cache: dict[int, int] = {}  # slot -> fingerprint of the prefix it holds
         self.num_preempted = 0
+        # Beam search groups: group id -> its live beams; a beam's id -> its group.
+        self.beams: dict[str, list[Request]] = {}
+        self.num_beams_made = 0
+        self.num_selections = 0
 
     def run(self, num_groups: int) -> None:
         num_added, step, last_arrival = 0, 0, 0
@@ -329,6 +381,14 @@ class _Trace:
         rng = self.rng
         length = rng.randint(1, self.max_model_len)
         prompt = (rng.choice(self.prefixes) + self._tokens(length))[:length]
+        width_cap = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        width_cap = min(
+            width_cap,
+            self.kv.block_pool.num_usable_blocks // cdiv(self.max_model_len, self.block_size),
+        )
+        if self.config.scheduling_policy != "static" and width_cap >= 1 and rng.random() < 0.3:
+            self._add_beam_group(request_id, prompt, rng.randint(1, min(width_cap, 4)))
+            return
         n = rng.choice([1, 1, 1, 2, 3])
         for i in range(n):
             child_id = request_id if i == 0 else f"{request_id}.{i}"
@@ -342,6 +402,53 @@ class _Trace:
             self.device_tokens[child_id] = list(prompt)
             self.fingerprints[child_id] = []
             self.max_outputs[child_id] = max_tokens
+
+    def _add_beam_group(self, group_id: str, prompt: list[int], width: int) -> None:
+        """A beam search: one request until its first selection, then `width` beams."""
+        root = Request(f"{group_id}#0", prompt, SamplingParams(max_tokens=None))
+        root.beam_group, root.beam_width = group_id, width
+        self.scheduler.add_request(root)
+        self.beams[group_id] = [root]
+        self._track(root, list(prompt))
+
+    def _track(self, request: Request, tokens: list[int]) -> None:
+        self.unfinished[request.request_id] = request
+        self.tokens[request.request_id] = list(tokens)
+        self.device_tokens[request.request_id] = list(tokens)
+        self.fingerprints[request.request_id] = []
+        self.max_outputs[request.request_id] = self.max_model_len
+
+    def _select_beams(self) -> None:
+        """Groups whose live beams have all sampled pick their next beams, or end."""
+        for group_id, live in list(self.beams.items()):
+            if not all(b.awaiting_selection for b in live):
+                continue
+            assert all(b.status is RequestStatus.RUNNING for b in live)
+            if live[0].num_tokens >= self.max_model_len or self.rng.random() < 0.1:
+                for beam in live:
+                    self._finish(beam.request_id, RequestStatus.FINISHED_STOPPED)
+                continue
+            pairs = []
+            for _ in range(live[0].beam_width):
+                parent = self.rng.choice(live)
+                self.num_beams_made += 1
+                child = Request(
+                    f"{group_id}#{self.num_beams_made}",
+                    parent.prompt_token_ids,
+                    parent.sampling_params,
+                )
+                child.beam_group, child.beam_width = group_id, parent.beam_width
+                child.output_token_ids = [*parent.output_token_ids, self.rng.randrange(self.vocab)]
+                pairs.append((child, parent))
+            self.scheduler.replace_beams(live, pairs)
+            self.num_selections += 1
+            for parent in live:
+                assert parent.status.is_finished
+                assert self.kv.get_block_table(parent.request_id) == []
+                del self.unfinished[parent.request_id]
+            for child, _ in pairs:
+                self._track(child, child.all_token_ids)
+            self.beams[group_id] = [child for child, _ in pairs]
 
     def _step(self, aborts: bool) -> None:
         before = {
@@ -371,8 +478,10 @@ class _Trace:
     def _commit(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         self.scheduler.update_from_output(output, sampled)
         for row in output.scheduled:
-            if row.samples and row.request_id in self.unfinished:
+            request = self.unfinished.get(row.request_id)
+            if row.samples and request is not None and request.beam_group is None:
                 self._append(row.request_id, sampled[row.request_id])
+        self._select_beams()
 
     def _append(self, request_id: str, token: int) -> None:
         """The engine's stop checks: length limits, or an EOS-like stop now and then."""
@@ -387,6 +496,18 @@ class _Trace:
             self._finish(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request_id: str, status: RequestStatus) -> None:
+        group = self.unfinished[request_id].beam_group
+        if group is not None and status is RequestStatus.FINISHED_ABORTED:
+            for beam in self.beams.pop(group):  # an abort ends the whole search
+                self._finish_one(beam.request_id, status)
+            return
+        self._finish_one(request_id, status)
+        if group is not None:
+            self.beams[group] = [b for b in self.beams[group] if b.request_id != request_id]
+            if not self.beams[group]:
+                del self.beams[group]
+
+    def _finish_one(self, request_id: str, status: RequestStatus) -> None:
         request = self.unfinished.pop(request_id)
         self.scheduler.finish_request(request_id, status)
         assert request.status is status
@@ -494,5 +615,9 @@ def test_random_traces_keep_every_invariant(policy, caching, overlap, monkeypatc
         monkeypatch.setattr(
             kv_cache_manager, "hash_block_tokens", lambda parent, tokens: (parent + sum(tokens)) % 3
         )
+    num_selections = 0
     for seed in range(100):
-        _Trace(seed, policy, caching != "off", overlap).run(num_groups=12)
+        trace = _Trace(seed, policy, caching != "off", overlap)
+        trace.run(num_groups=12)
+        num_selections += trace.num_selections
+    assert policy == "static" or num_selections > 100  # beam searches forked and ran

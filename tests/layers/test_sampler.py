@@ -22,7 +22,7 @@ from jvllm.layers.sampler import (
     penalty_width_needed,
     sample,
 )
-from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jvllm.sampling_params import NUM_TOP_CANDIDATES, SamplingParams
 
 sample_jit = jax.jit(sample)
 penalties_jit = jax.jit(apply_penalties)
@@ -211,8 +211,8 @@ def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
     ref = torch.log_softmax(torch.from_numpy(logits), dim=-1)
     ids = torch.from_numpy(np.array(out.token_ids)).long()
     np.testing.assert_allclose(out.logprobs, ref.gather(1, ids[:, None])[:, 0], atol=1e-5)
-    ref_top = torch.topk(ref, MAX_LOGPROBS, dim=-1)
-    assert out.top_ids.shape == (5, MAX_LOGPROBS)
+    ref_top = torch.topk(ref, NUM_TOP_CANDIDATES, dim=-1)
+    assert out.top_ids.shape == (5, NUM_TOP_CANDIDATES)
     np.testing.assert_array_equal(out.top_ids, ref_top.indices.numpy())
     np.testing.assert_allclose(out.top_logprobs, ref_top.values.numpy(), atol=1e-5)
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM, BeamSearchParams, SamplingParams
 from tests.server import (
     API_KEY,
     SMALL_ENGINE,
@@ -314,3 +314,68 @@ def test_200_concurrent_streams_half_disconnect(env):
     assert httpx.get(env.url + "/health").status_code == 200
     out = env.client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
     assert out.choices[0].text == expected[prompts[0]]
+
+
+def test_use_beam_search_equals_llm_beam_search(env):
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    (want,) = env.llm.beam_search([PROMPT], params)
+    resp = env.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, n=3, extra_body={"use_beam_search": True}
+    )
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [s.text for s in want.sequences]
+    assert [c.finish_reason for c in choices] == [s.finish_reason for s in want.sequences]
+    prompt_len = resp.usage.prompt_tokens
+    assert resp.usage.completion_tokens == sum(len(s.tokens) - prompt_len for s in want.sequences)
+    streamed = ["", "", ""]
+    for chunk in env.client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        n=3,
+        stream=True,
+        extra_body={"use_beam_search": True},
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [s.text for s in want.sequences]
+
+    ids = env.llm.get_tokenizer().apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    ids = env.llm.get_tokenizer().encode(ids, add_special_tokens=False)
+    (want,) = env.llm.beam_search([ids], BeamSearchParams(2, 8, length_penalty=0.5))
+    chat = env.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        n=2,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    texts = [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)]
+    assert texts == [s.text for s in want.sequences]
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": 0.5}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["fox"]}, "stop"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"n": 9}, "n"),
+    ],
+)
+def test_use_beam_search_refuses_what_it_cannot_honour(env, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        env.client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=4,
+            **{"n": 2, **{k: v for k, v in extra.items() if k != "stop"}},
+            stop=extra.get("stop"),
+            extra_body={"use_beam_search": True},
+        )
+    assert err.value.body["param"] == param
+    out = env.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
