@@ -57,6 +57,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=64,
         help="requests each candidate batch size is tried on (0: all)",
     )
+    p.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="what the continuous engine's preemption does (swap: host memory)",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--compilation-cache-dir", type=Path, help="enable JAX's persistent cache")
@@ -117,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         flops=flops,
         block_size=args.block_size,
     )
-    runs["continuous"] = _engine_run(**engine, policy="continuous")
+    runs["continuous"] = _engine_run(
+        **engine, policy="continuous", preemption_mode=args.preemption_mode
+    )
     if not args.skip_static:
         blocks = runs["continuous"]["num_kv_blocks"]  # the same KV memory, whatever sized it
         runs["static"] = _engine_run(**engine, policy="static", num_blocks=blocks)
@@ -353,6 +361,7 @@ def _engine_run(
     block_size: int,
     policy: str,
     num_blocks: int | None = None,
+    preemption_mode: str = "recompute",
 ) -> dict[str, Any]:
     from jvllm import LLM
 
@@ -367,11 +376,25 @@ def _engine_run(
         max_num_batched_tokens=preset.max_num_batched_tokens,
         num_gpu_blocks_override=num_blocks or preset.num_kv_blocks,
         scheduling_policy=policy,
+        preemption_mode=preemption_mode if policy == "continuous" else "recompute",
     )
     start_s = time.perf_counter() - started
     common.log(f"jvllm {policy}: started in {start_s:.1f} s; running {len(requests)} requests ...")
     run = run_engine(llm.engine, requests, flops)
     run.update(policy=policy, start_s=start_s, num_kv_blocks=llm.engine.runner.num_blocks)
+    metrics = llm.get_metrics()
+    moved = metrics["num_swapped_out_blocks"] + metrics["num_swapped_in_blocks"]
+    spec = llm.engine.runner.spec
+    block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim
+    block_bytes *= llm.engine.runner.model.dtype.itemsize
+    run["preemption"] = dict(
+        mode=preemption_mode if policy == "continuous" else "recompute",
+        num_preemptions=metrics["num_preemptions"],
+        num_swapped_out_blocks=metrics["num_swapped_out_blocks"],
+        num_swapped_in_blocks=metrics["num_swapped_in_blocks"],
+        swap_bytes_moved=moved * block_bytes,
+        num_recomputed_tokens=metrics["num_recomputed_tokens"],
+    )
     del llm
     gc.collect()  # frees the weights and cache before the next engine is built
     return run

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jvllm import compat
-from jvllm.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
+from jvllm.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
 from jvllm.server.cli_args import add_frontend_flags, server_config
 from jvllm.yaml_args import config_file_argv
 
@@ -32,6 +32,7 @@ _LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 _CHOICES = {
     "dtype": (*DTYPES, *compat.DTYPE_ALIASES),
     "scheduling_policy": SCHEDULING_POLICIES,
+    "preemption_mode": PREEMPTION_MODES,
     "attention_backend": ATTENTION_BACKENDS,
 }
 _HELP = {
@@ -48,6 +49,10 @@ _HELP = {
     "tensor_parallel_size": "devices to shard the model over",
     "scheduling_policy": "continuous batching, or static batches (for comparison)",
     "async_scheduling": "schedule the next step while the device runs this one",
+    "preemption_mode": "what preemption does to a request's KV blocks: recompute them "
+    "later, or swap them to host memory and back",
+    "swap_space": "GiB of host memory per device for swapped-out KV blocks "
+    "(with --preemption-mode swap)",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
     "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
@@ -76,6 +81,8 @@ _GROUPS = {
     "max_num_batched_tokens": "SchedulerConfig",
     "scheduling_policy": "SchedulerConfig",
     "async_scheduling": "SchedulerConfig",
+    "preemption_mode": "SchedulerConfig",
+    "swap_space": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
     "coordinator_address": "ParallelConfig",
     "num_processes": "ParallelConfig",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
+PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
@@ -39,8 +40,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # GiB of host memory per device for swapped-out KV blocks (vLLM's swap_space); only
+    # allocated with SchedulerConfig.preemption_mode == "swap".
+    swap_space: float = 4.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.swap_space, int | float) or not 0 <= self.swap_space < 1e6:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -63,8 +69,16 @@ class SchedulerConfig:
     # Schedule step N + 1 while step N runs (vLLM's async scheduling); False waits for
     # each step before scheduling the next.
     async_scheduling: bool = True
+    # What a preempted request loses: "recompute" drops its KV blocks, "swap" copies its
+    # blocks to host memory (CacheConfig.swap_space) and back, recomputing only when
+    # the host pool is full.
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

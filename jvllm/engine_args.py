@@ -51,6 +51,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     scheduling_policy: str = "continuous"
     async_scheduling: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB per device, host memory for preemption_mode="swap"
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
@@ -90,21 +92,49 @@ class EngineArgs:
             max_model_len=max_model_len,
             scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
+            preemption_mode=self.preemption_mode,
         )
         cache = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            swap_space=self.swap_space,
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
-        runner = ModelRunner(loaded, num_blocks, cache, scheduler, mesh)
+        num_host_blocks = self._num_host_blocks(loaded, cache, scheduler)
+        runner = ModelRunner(loaded, num_blocks, cache, scheduler, mesh, num_host_blocks)
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
         config = EngineConfig(model_config, cache, scheduler, parallel)
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
-        return LLMEngine(config, tokenizer, runner, num_blocks, loaded.spec.vocab_size, eos)
+        return LLMEngine(
+            config, tokenizer, runner, num_blocks, loaded.spec.vocab_size, eos, num_host_blocks
+        )
+
+    def _num_host_blocks(
+        self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig
+    ) -> int:
+        """Host blocks for swap preemption: swap_space GiB per device, checked against
+        the host memory available now."""
+        if scheduler.preemption_mode != "swap":
+            return 0
+        tp = self.tensor_parallel_size
+        needed = int(cache.swap_space * memory.GIB) * tp
+        available = memory.available_host_bytes()
+        if needed > available:
+            raise ValueError(
+                f"swap_space={cache.swap_space} GiB per device ({needed / memory.GIB:.1f} GiB "
+                f"for {tp} device(s)) exceeds the {available / memory.GIB:.1f} GiB of host "
+                "memory available; lower --swap-space"
+            )
+        per_block = memory.kv_block_bytes(loaded.spec, cache.block_size, loaded.dtype.itemsize, tp)
+        # No more than every sequence at full length could ever swap out.
+        useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
+        num = min(memory.host_block_count(cache.swap_space, per_block), useful)
+        logger.info("CPU swap space: %d blocks of %d tokens", num, cache.block_size)
+        return num
 
     def _num_blocks(
         self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig

@@ -1,6 +1,6 @@
 """Prometheus metrics for GET /metrics, in a registry of their own.
 
-Owns the metric names (`jvllm:*`, exactly the set issue 5 lists) and their types.
+Owns the metric names (`jvllm:*`) and their types.
 Gauges and counters are read at scrape time from the engine's metrics snapshot
 (counters are exposed with Prometheus' `_total` suffix); the four latency
 histograms are fed by AsyncLLM on the engine thread (prometheus_client is
@@ -25,6 +25,8 @@ _GAUGES = {
     "jvllm:num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled"),
     "jvllm:kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
     "jvllm:num_free_blocks": ("num_free_blocks", "KV-cache blocks free for allocation"),
+    "jvllm:num_requests_swapped": ("num_requests_swapped", "Requests swapped out to host"),
+    "jvllm:num_free_host_blocks": ("num_free_host_blocks", "Host swap blocks free"),
 }
 _COUNTERS = {
     "jvllm:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up"),
@@ -32,6 +34,12 @@ _COUNTERS = {
     "jvllm:num_preemptions": ("num_preemptions", "Requests preempted to free KV blocks"),
     "jvllm:prompt_tokens": ("prompt_tokens", "Prompt tokens received"),
     "jvllm:generation_tokens": ("generation_tokens", "Tokens generated"),
+    "jvllm:num_swapped_out_blocks": ("num_swapped_out_blocks", "KV blocks copied to host"),
+    "jvllm:num_swapped_in_blocks": ("num_swapped_in_blocks", "KV blocks copied back from host"),
+    "jvllm:num_recomputed_tokens": (
+        "num_recomputed_tokens",
+        "Computed tokens dropped by recompute preemption",
+    ),
 }
 _HISTOGRAMS = {
     QUEUE_TIME: ("jvllm:request_queue_time_seconds", "Arrival to first scheduled step"),

@@ -67,8 +67,16 @@ def token_prompts(ps: list[list[int]]) -> list[dict]:
         {"max_num_batched_tokens": 64},
         # 40 blocks of 16 tokens cannot hold 12 sequences of up to 332 tokens.
         {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64},
+        {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64, "preemption_mode": "swap"},
+        # A host pool of a few blocks: swaps while it has room, recomputes after.
+        {
+            "num_gpu_blocks_override": 40,
+            "max_num_batched_tokens": 64,
+            "preemption_mode": "swap",
+            "swap_space": 0.00005,
+        },
     ],
-    ids=["default", "chunk16", "chunk64", "preempt"],
+    ids=["default", "chunk16", "chunk64", "preempt", "swap", "swap-tiny-pool"],
 )
 def test_greedy_generate_matches_hf(arch, checkpoints, hf_reference, engine_kwargs):
     llm = make_llm(checkpoints[arch], **engine_kwargs)
@@ -78,7 +86,16 @@ def test_greedy_generate_matches_hf(arch, checkpoints, hf_reference, engine_kwar
     metrics = llm.get_metrics()
     if "num_gpu_blocks_override" in engine_kwargs:
         assert metrics["num_preemptions"] > 0
+    if "swap_space" in engine_kwargs:
+        assert 0 < metrics["num_host_blocks"] < 16
+        assert metrics["num_recomputed_tokens"] > 0  # the pool was too small: recomputed
+    elif "preemption_mode" in engine_kwargs:
+        assert metrics["num_swapped_out_blocks"] == metrics["num_swapped_in_blocks"] > 0
+        assert metrics["num_recomputed_tokens"] == 0
+    else:
+        assert metrics["num_swapped_out_blocks"] == 0
     assert metrics["num_free_blocks"] == metrics["num_total_blocks"]  # nothing leaked
+    assert metrics["num_free_host_blocks"] == metrics["num_host_blocks"]
 
 
 def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoints):
@@ -121,6 +138,45 @@ def test_parallel_sampling_reproducible_and_shares_blocks(checkpoints):
     assert used < unshared
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_swap_keeps_seeded_sampling_and_shared_prefixes(checkpoints):
+    """n > 1 siblings and prefix-cache sharers swapped out and back: the same tokens."""
+    rng = np.random.default_rng(9)
+    prefix = [int(t) for t in rng.integers(6, 512, size=70)]
+    batch = [
+        {"prompt_token_ids": prefix + [int(t) for t in rng.integers(6, 512, 9 + i)]}
+        for i in range(6)
+    ]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    want = make_llm(checkpoints["llama"]).generate(batch, params, use_tqdm=False)
+    llm = make_llm(
+        checkpoints["llama"],
+        num_gpu_blocks_override=40,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+    )
+    got = llm.generate(batch, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in want
+    ]
+    metrics = llm.get_metrics()
+    assert metrics["num_swapped_out_blocks"] > 0 and metrics["num_recomputed_tokens"] == 0
+    assert metrics["prefix_cache_hits"] > 0
+    assert metrics["num_free_host_blocks"] == metrics["num_host_blocks"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"preemption_mode": "evict"}, "preemption_mode must be one of"),
+        ({"swap_space": -1}, "swap_space must be a number of GiB >= 0"),
+        ({"preemption_mode": "swap", "swap_space": 1e5}, "exceeds the .* GiB of host memory"),
+    ],
+)
+def test_bad_swap_settings_name_the_flag(checkpoints, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(checkpoints["llama"], **kwargs)
 
 
 def test_logprobs_match_hf_log_softmax(checkpoints, hf_models):

@@ -7,7 +7,11 @@ copies that copy-on-write asks of the model runner. It does not decide who runs 
 (the scheduler does) and never touches the device.
 
 A block table only changes at positions not yet computed, except by copy-on-write,
-whose (old, new) copy the runner applies before the step's forward.
+whose (old, new) copy the runner applies before the step's forward, and by swapping:
+a swapped-out request's computed blocks move to host blocks of a second pool (the
+runner copies them out before the step's forward, and back into new device blocks
+when swapped in). It holds no device block while swapped out; a block it shared is
+copied for it, and comes back as its own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jvllm.engine.block_pool import ROOT_CONTENT_ID, BlockPool
+from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool
 from jvllm.engine.request import Request
 
 # Parent hash of every sequence's first block.
@@ -43,10 +47,20 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        # Host blocks for swapped-out requests (block 0 of this pool is never used).
+        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks else None
+        # Swapped-out request id -> {table index: host block}.
+        self._host_blocks: dict[str, dict[int, int]] = {}
         self._block_tables: dict[str, list[int]] = {}
         # Chained hashes of a request's leading full blocks, extended on demand.
         self._block_hashes: dict[str, list[int]] = {}
@@ -161,9 +175,72 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
-        self.block_pool.free(reversed(self._block_tables.pop(request_id, [])))
+        table = self._block_tables.pop(request_id, [])
+        self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+        host = self._host_blocks.pop(request_id, None)
+        if host:
+            assert self.host_pool is not None
+            self.host_pool.free(host.values())
         self._block_hashes.pop(request_id, None)
         self._content_ids.pop(request_id, None)
+
+    def can_swap_out(self, request: Request) -> bool:
+        """Whether the host pool has room for the request's computed blocks."""
+        if self.host_pool is None:
+            return False
+        return len(self._swappable(request)) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Moves the request's computed blocks to host blocks and drops its device blocks
+        (a block others share stays theirs); returns the (device, host) copies. Blocks
+        past its computed tokens are dropped (nothing was written there)."""
+        assert self.host_pool is not None and self.can_swap_out(request), request
+        self.drop_unwritten(request)
+        table = self._block_tables.get(request.request_id, [])
+        num_computed = cdiv(request.num_computed_tokens, self.block_size)
+        self.block_pool.free(reversed(table[num_computed:]))
+        del table[num_computed:]
+        indices = self._swappable(request)
+        host = self.host_pool.allocate(len(indices))
+        pairs = [(table[i], h) for i, h in zip(indices, host, strict=True)]
+        self.block_pool.free(reversed([table[i] for i in indices]))
+        for i in indices:
+            table[i] = NULL_BLOCK
+        self._host_blocks[request.request_id] = dict(zip(indices, host, strict=True))
+        return pairs
+
+    def swap_in(self, request: Request, num_spare_blocks: int) -> list[tuple[int, int]] | None:
+        """Brings a swapped-out request's blocks back into new device blocks, leaving at
+        least `num_spare_blocks` free; returns the (host, device) copies, or None
+        (changing nothing) when the device pool has no room."""
+        assert self.host_pool is not None
+        host = self._host_blocks.get(request.request_id, {})
+        if len(host) + num_spare_blocks > self.block_pool.num_free_blocks:
+            return None
+        del self._host_blocks[request.request_id]
+        table = self._block_tables.setdefault(request.request_id, [])
+        pairs = []
+        for (index, host_block), block in zip(
+            host.items(), self.block_pool.allocate(len(host)), strict=True
+        ):
+            table[index] = block
+            pairs.append((host_block, block))
+        self.host_pool.free(host.values())
+        return pairs
+
+    def num_swapped_blocks(self) -> int:
+        return sum(len(h) for h in self._host_blocks.values())
+
+    def get_host_blocks(self, request_id: str) -> dict[int, int]:
+        """A copy of the swapped-out request's {table index: host block}."""
+        return dict(self._host_blocks.get(request_id, {}))
+
+    def _swappable(self, request: Request) -> list[int]:
+        """Table indices of the request's computed blocks: all of them, shared or not, so
+        that a swapped-out request holds no device block (shared ones held by swapped
+        requests alone could pin the pool and starve the running)."""
+        table = self._block_tables.get(request.request_id, [])
+        return list(range(min(len(table), cdiv(request.num_computed_tokens, self.block_size))))
 
     def drop_unwritten(self, request: Request) -> None:
         """Uncache the blocks this request registered beyond its computed tokens.

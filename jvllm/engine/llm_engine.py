@@ -38,6 +38,12 @@ class StepRunner(Protocol):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(device, host) block copies, queued before anything this step writes."""
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(host, device) block copies, queued before the step's forward."""
+
     def dispatch(
         self,
         rows: Sequence[ScheduledRequest],
@@ -66,6 +72,7 @@ class LLMEngine:
         num_blocks: int,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        num_host_blocks: int = 0,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -73,7 +80,9 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, num_host_blocks
+        )
         self._rng = random.Random(config.model_config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._seqs: dict[str, SequenceState] = {}  # child request id -> its state
@@ -193,6 +202,10 @@ class LLMEngine:
         for request_id in sched.preempted_request_ids:
             if request_id in self._beams:
                 self._beams[request_id].candidates = None  # it recomputes and proposes again
+        if sched.blocks_to_swap_out:
+            self.runner.swap_out(sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.runner.swap_in(sched.blocks_to_swap_in)
         if sched.blocks_to_copy:
             self.runner.copy_blocks(sched.blocks_to_copy)
         launched = self._launch(sched) if sched.scheduled else None
@@ -342,6 +355,12 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "num_live_tokens": st.num_live_tokens,
             "num_allocated_slots": st.num_allocated_slots,
+            "num_requests_swapped": st.num_swapped,
+            "num_swapped_out_blocks": st.num_swapped_out_blocks,
+            "num_swapped_in_blocks": st.num_swapped_in_blocks,
+            "num_recomputed_tokens": st.num_recomputed_tokens,
+            "num_host_blocks": st.num_host_blocks,
+            "num_free_host_blocks": st.num_free_host_blocks,
         }
 
 

@@ -14,7 +14,8 @@ from jvllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
+    PREEMPTED = enum.auto()  # by recompute: waiting, its K/V dropped
+    SWAPPED = enum.auto()  # by swap: its computed blocks in host memory
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -69,7 +70,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         # Tokens whose K/V are in the cache or being written by a dispatched step; reset
-        # to 0 when preempted (recompute).
+        # to 0 when preempted by recompute (kept when swapped).
         self.num_computed_tokens = 0
         # Tokens sampled by dispatched steps whose ids the host does not know yet
         # (overlapped scheduling): they follow output_token_ids.

@@ -52,6 +52,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]]  # (src, dst), applied before this step's forward
     preempted_request_ids: list[str]
     num_scheduled_tokens: int
+    # Applied before the copies and the forward, swap-outs first.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
 
 class SchedulerStats(NamedTuple):
@@ -65,6 +68,12 @@ class SchedulerStats(NamedTuple):
     num_preemptions: int  # cumulative
     num_live_tokens: int  # running requests' computed tokens, dispatched steps included
     num_allocated_slots: int  # held blocks * block_size
+    num_swapped: int  # requests whose blocks are in host memory
+    num_swapped_out_blocks: int  # cumulative device -> host block copies
+    num_swapped_in_blocks: int  # cumulative host -> device block copies
+    num_recomputed_tokens: int  # cumulative computed tokens dropped by recompute preemption
+    num_host_blocks: int  # the host pool's size (0 without swap)
+    num_free_host_blocks: int
 
 
 @dataclass
@@ -76,11 +85,17 @@ class _Step:
     # Request id -> its computed tokens before this step (its row's start position).
     starts: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_host_blocks: int = 0,
     ) -> None:
         blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
         if num_blocks - 1 < blocks_per_seq:
@@ -94,10 +109,16 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.is_static = scheduler_config.scheduling_policy == "static"
+        self.swaps = scheduler_config.preemption_mode == "swap" and num_host_blocks > 0
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            num_host_blocks if self.swaps else 0,
         )
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
+        # Swapped out, oldest first; they come back before any waiting request is admitted.
+        self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._pending_steps: deque[int] = deque()  # step ids scheduled, not yet committed
@@ -105,6 +126,9 @@ class Scheduler:
         # Request id -> its row in the latest step, for rows that sample.
         self._sampling_rows: dict[str, int] = {}
         self._num_preemptions = 0
+        self._num_swapped_out_blocks = 0
+        self._num_swapped_in_blocks = 0
+        self._num_recomputed_tokens = 0
 
     def add_request(self, request: Request) -> None:
         """Queues a request the engine has validated (`jvllm.engine.validation`)."""
@@ -120,7 +144,9 @@ class Scheduler:
         self._schedule_running(step)
         # A step that had to preempt has no blocks to spare for newcomers.
         if not step.preempted_ids and not (self.is_static and self.running):
-            self._schedule_waiting(step)
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
         self._sampling_rows = {row.request_id: i for i, row in enumerate(step.rows) if row.samples}
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self._pending_steps.append(step_id)
@@ -130,6 +156,8 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
             preempted_request_ids=step.preempted_ids,
             num_scheduled_tokens=sum(len(row.token_ids) for row in step.rows),
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -186,6 +214,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request_id)
@@ -206,6 +236,12 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_live_tokens=live,
             num_allocated_slots=kv.num_allocated_blocks * self.block_size,
+            num_swapped=len(self.swapped),
+            num_swapped_out_blocks=self._num_swapped_out_blocks,
+            num_swapped_in_blocks=self._num_swapped_in_blocks,
+            num_recomputed_tokens=self._num_recomputed_tokens,
+            num_host_blocks=kv.host_pool.num_usable_blocks if kv.host_pool else 0,
+            num_free_host_blocks=kv.host_pool.num_free_blocks if kv.host_pool else 0,
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -240,7 +276,7 @@ class Scheduler:
                 # everything before this unit is scheduled, so the tail is always eligible.
                 victims = self._pop_tail_unit()
                 for victim in reversed(victims):  # so the unit keeps its order in waiting
-                    self._preempt(victim)
+                    self._preempt(step, victim)
                 step.preempted_ids += [v.request_id for v in victims]
                 if unit[0] in victims:
                     return False
@@ -370,18 +406,55 @@ class Scheduler:
             request.num_cached_tokens = num_shared
         return num_new
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop all its K/V; it prefills everything again later."""
+    def _preempt(self, step: _Step, request: Request) -> None:
+        """Preempt by swap (its computed blocks go to host memory) when the host pool has
+        room and the request is not a beam, else by recompute (all its K/V dropped)."""
         assert not self.is_static, "the static policy reserves blocks and never preempts"
-        # A request of the unit being scheduled may hold blocks this step never writes.
-        self.kv_cache_manager.drop_unwritten(request)
-        self.kv_cache_manager.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.awaiting_selection = False  # its candidates are dropped: it samples again
+        kv = self.kv_cache_manager
         request.num_preemptions += 1
         self._num_preemptions += 1
+        request.awaiting_selection = False  # a beam's candidates are dropped: it proposes again
+        if self.swaps and request.beam_group is None and kv.can_swap_out(request):
+            pairs = kv.swap_out(request)
+            step.swap_out += pairs
+            self._num_swapped_out_blocks += len(pairs)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return
+        # A request of the unit being scheduled may hold blocks this step never writes.
+        kv.drop_unwritten(request)
+        kv.free(request.request_id)
+        self._num_recomputed_tokens += request.num_computed_tokens
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
         self.waiting.appendleft(request)
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Swap requests back in, oldest first, while sequences, budget and blocks allow;
+        each runs this step (its blocks are copied in before the forward)."""
+        kv = self.kv_cache_manager
+        while self.swapped and step.budget > 0:
+            request = self.swapped[0]
+            if request.num_output_placeholders or (
+                len(self.running) >= self.scheduler_config.max_num_seqs
+            ):
+                return  # its last token is still on the device, or no seat is free
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
+            )
+            # Room for its blocks and for its next tokens' (all its blocks come back private).
+            end = request.num_computed_tokens + num_new
+            spare = cdiv(end, self.block_size) - cdiv(request.num_computed_tokens, self.block_size)
+            pairs = kv.swap_in(request, spare)
+            if pairs is None:
+                return
+            self.swapped.popleft()
+            step.swap_in += pairs
+            self._num_swapped_in_blocks += len(pairs)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            assert kv.allocate_slots(request, num_new), request
+            self._add_row(step, request, num_new)
 
     def _add_row(self, step: _Step, request: Request, num_new: int) -> None:
         """Schedules positions [computed, computed + num_new) and advances the request."""

@@ -11,6 +11,7 @@ programs in tests/gpu_compile), so the same rule is checked without a GPU.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 from jvllm.models.spec import ModelSpec
@@ -55,3 +56,24 @@ def kv_cache_size(
     useful = max_num_seqs * math.ceil(max_model_len / block_size)
     fitting = max(0, budget_bytes // block_bytes)
     return KVCacheSize(min(fitting, useful) + 1, block_size, block_bytes)  # + the null block
+
+
+GIB = 1 << 30
+
+
+def host_block_count(swap_space_gib: float, block_bytes: int) -> int:
+    """Host blocks in `swap_space_gib` GiB per device (vLLM's swap_space): a host block
+    holds a whole block, every device's KV heads, so `block_bytes` is one device's."""
+    return int(swap_space_gib * GIB) // block_bytes
+
+
+def available_host_bytes() -> int:
+    """Host memory available to this process now (MemAvailable, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -52,6 +52,8 @@ MIN_PENALTY_BUCKET = 64
 # min_tokens ban lists (EOS and stop ids) are always this wide or wider, so the width
 # compiled at warm-up covers every request with up to 8 such ids: none recompiles.
 MIN_BAN_BUCKET = 8
+# Block counts one swap copy program handles (padded up; larger swaps are chunked).
+SWAP_BUCKETS = (8, 32, 128)
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         mesh: Mesh | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
-        """`num_blocks` KV blocks of `cache_config.block_size` tokens; the scheduler's
+        """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
+        `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
         limits fix the buckets and the block-table width."""
         self.model = loaded
         self.mesh = mesh
@@ -136,11 +140,23 @@ class ModelRunner:
         self._sample_fn = jax.jit(self._sample)
         self._all_logprobs_fn = jax.jit(self._all_logprobs)
         self._copy_fn = jax.jit(self._copy_blocks, donate_argnames=("caches",))
+        self.host_caches = self._allocate_host_cache(num_host_blocks)
+        self._gather_fn = jax.jit(self._gather_blocks)
+        self._scatter_fn = jax.jit(self._scatter_blocks, donate_argnames=("caches",))
+        # Swap-outs dispatched but not yet written into host_caches: (host ids, blocks).
+        self._pending_swap_out: list[tuple[np.ndarray, list[KVCache]]] = []
 
     @property
     def num_compilations(self) -> int:
         """Programs compiled so far: the entries of every jitted function's cache."""
-        jitted = (self._forward_fn, self._sample_fn, self._all_logprobs_fn, self._copy_fn)
+        jitted = (
+            self._forward_fn,
+            self._sample_fn,
+            self._all_logprobs_fn,
+            self._copy_fn,
+            self._gather_fn,
+            self._scatter_fn,
+        )
         # _cache_size() is JAX's count of a jitted function's compiled executables.
         return sum(fn._cache_size() for fn in jitted)
 
@@ -188,6 +204,17 @@ class ModelRunner:
     def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
         return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in caches]
 
+    def _gather_blocks(self, caches: list[KVCache], ids: jax.Array) -> list[KVCache]:
+        return [(k[ids], v[ids]) for k, v in caches]  # [n, block_size, kv_heads, head_dim]
+
+    def _scatter_blocks(
+        self, caches: list[KVCache], ids: jax.Array, blocks: list[KVCache]
+    ) -> list[KVCache]:
+        return [
+            (k.at[ids].set(bk), v.at[ids].set(bv))
+            for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
+        ]
+
     # -- host side --
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
@@ -197,6 +224,57 @@ class ModelRunner:
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
         zeros = lambda: jnp.zeros(shape, self.model.dtype, device=sharding)
         return [(zeros(), zeros()) for _ in range(s.num_layers)]
+
+    def _allocate_host_cache(self, num_host_blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Host block 0 is never used (the host pool's ids start at 1), and stays zero:
+        padding rows of a swap-in copy it into the null block."""
+        if not num_host_blocks:
+            return []
+        s = self.spec
+        shape = (num_host_blocks + 1, self.block_size, s.num_kv_heads, s.head_dim)
+        dtype = np.dtype(self.model.dtype)
+        # np.zeros maps pages on first touch: the pool costs nothing until swaps fill it.
+        return [(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(s.num_layers)]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(device, host) copies of whole blocks: one gather per chunk, queued after every
+        step already dispatched (so it reads what they wrote) and before anything this
+        step writes; written into host memory when needed (`_flush_swap_out`)."""
+        for device_ids, host_ids in self._swap_chunks(pairs):
+            blocks = self._gather_fn(self.caches, self._put(device_ids))
+            for k, v in blocks:
+                k.copy_to_host_async()
+                v.copy_to_host_async()
+            self._pending_swap_out.append((host_ids, blocks))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(host, device) copies of whole blocks, one scatter per chunk, queued before the
+        step's forward."""
+        self._flush_swap_out()
+        for host_ids, device_ids in self._swap_chunks(pairs):
+            blocks = [(k[host_ids], v[host_ids]) for k, v in self.host_caches]  # copies
+            self.caches = self._scatter_fn(self.caches, self._put(device_ids), self._put(blocks))
+
+    def _flush_swap_out(self) -> None:
+        # Waits for the gathers; by a swap-in's step, the steps they followed are done.
+        for host_ids, blocks in self._pending_swap_out:
+            real = host_ids != 0
+            for (hk, hv), (k, v) in zip(self.host_caches, blocks, strict=True):
+                hk[host_ids[real]] = np.asarray(k)[real]
+                hv[host_ids[real]] = np.asarray(v)[real]
+        self._pending_swap_out.clear()
+
+    def _swap_chunks(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The pairs as (first ids, second ids) arrays padded to a SWAP_BUCKETS size with
+        (0, 0): padding reads and writes only the null blocks."""
+        chunks = []
+        largest = SWAP_BUCKETS[-1]
+        for lo in range(0, len(pairs), largest):
+            chunk = list(pairs[lo : lo + largest])
+            chunk += [(0, 0)] * (pick_bucket(len(chunk), SWAP_BUCKETS) - len(chunk))
+            first, second = np.array(chunk, np.int32).T
+            chunks.append((first, second))
+        return chunks
 
     def _put(self, tree: Any) -> Any:
         """Host arrays for a jitted program; on a mesh, placed replicated on every device.
@@ -295,3 +373,8 @@ class ModelRunner:
             targets = self._put(np.zeros(shape.num_tokens, np.int32))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
         self.copy_blocks([(0, 0)])
+        if self.host_caches:
+            for size in SWAP_BUCKETS:
+                self.swap_out([(0, 0)] * size)
+                self.swap_in([(0, 0)] * size)
+            jax.block_until_ready(self.caches)

@@ -1,5 +1,6 @@
 """Scheduler: budgets, chunked prefill, preemption, fork admission, the static policy."""
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -335,9 +336,13 @@ class _Trace:
             max_model_len=self.max_model_len,
             scheduling_policy=policy,
         )
+        if policy != "static" and rng.random() < 0.5:
+            self.config = dataclasses.replace(self.config, preemption_mode="swap")
         cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=prefix_caching)
         num_blocks = blocks_per_seq + 1 + rng.randint(0, 2 * blocks_per_seq)
-        self.scheduler = Scheduler(self.config, cache_config, num_blocks)
+        num_host_blocks = rng.randint(1, 3 * blocks_per_seq)
+        self.scheduler = Scheduler(self.config, cache_config, num_blocks, num_host_blocks)
+        self.host_cache: dict[int, int] = {}  # host slot -> fingerprint, as `cache`
         self.kv = self.scheduler.kv_cache_manager
         self.vocab = rng.choice([2, 4, 1000])  # few symbols: many equal blocks
         self.prefixes = [self._tokens(rng.randint(1, self.max_model_len)) for _ in range(3)]
@@ -366,10 +371,12 @@ class _Trace:
             # token every step, so each request is the oldest for at most max_model_len steps.
             if num_added == num_groups:
                 assert step - last_arrival <= len(self.tokens) * self.max_model_len
-        pool = self.kv.block_pool
-        assert pool.num_free_blocks == pool.num_usable_blocks
-        assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
+        for pool in (self.kv.block_pool, self.kv.host_pool):
+            if pool is not None:
+                assert pool.num_free_blocks == pool.num_usable_blocks
+                assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
         assert not self.scheduler.waiting and not self.scheduler.running
+        assert not self.scheduler.swapped
         if self.config.scheduling_policy == "static":
             assert self.scheduler.stats().num_preemptions == 0
 
@@ -542,8 +549,12 @@ class _Trace:
             assert len(row.block_table) * self.block_size >= end
         for request_id in output.preempted_request_ids:
             request = self.unfinished[request_id]
+            assert request_id not in running
+            if request.status is RequestStatus.SWAPPED:
+                assert request in scheduler.swapped and self.config.preemption_mode == "swap"
+                continue
             assert request.status is RequestStatus.PREEMPTED and request.num_computed_tokens == 0
-            assert request in scheduler.waiting and request_id not in running
+            assert request in scheduler.waiting
         self.num_preempted += len(output.preempted_request_ids)
         assert scheduler.stats().num_preemptions == self.num_preempted
         if config.scheduling_policy == "static":
@@ -555,10 +566,27 @@ class _Trace:
     def _check_blocks(self) -> None:
         """Every usable block is free (ref 0, queued once) or held once per table holding it."""
         pool = self.kv.block_pool
+        holding = [*self.scheduler.running, *self.scheduler.swapped]
         holders = Counter(
-            b for r in self.scheduler.running for b in self.kv.get_block_table(r.request_id)
+            b for r in holding for b in self.kv.get_block_table(r.request_id) if b != 0
         )
-        assert 0 not in holders
+        # Every host block is free or held by exactly one swapped request.
+        host_held = Counter(
+            h
+            for r in self.scheduler.swapped
+            for h in self.kv.get_host_blocks(r.request_id).values()
+        )
+        if self.kv.host_pool is not None:
+            host_free = set(self.kv.host_pool.free_block_ids())
+            for h in range(1, self.kv.host_pool.num_blocks):
+                assert host_held[h] == (h not in host_free) == self.kv.host_pool.ref_count(h)
+        for r in self.scheduler.swapped:
+            table, host = (
+                self.kv.get_block_table(r.request_id),
+                self.kv.get_host_blocks(r.request_id),
+            )
+            assert len(table) * self.block_size >= r.num_computed_tokens
+            assert all((b == 0) == (i in host) for i, b in enumerate(table))
         free = pool.free_block_ids()
         assert len(free) == len(set(free)) and 0 not in free
         for block in range(1, pool.num_blocks):
@@ -570,6 +598,12 @@ class _Trace:
     def _simulate_forward(self, output: SchedulerOutput) -> dict[str, int]:
         """Applies the step's copies and K/V writes; returns what each sampling row drew."""
         bs, pool = self.block_size, self.kv.block_pool
+        for device, host in output.blocks_to_swap_out:
+            for i in range(bs):
+                self.host_cache[host * bs + i] = self.cache.get(device * bs + i)
+        for host, device in output.blocks_to_swap_in:
+            for i in range(bs):
+                self.cache[device * bs + i] = self.host_cache.get(host * bs + i)
         copied = [
             [self.cache.get(src * bs + i) for i in range(bs)] for src, _ in output.blocks_to_copy
         ]

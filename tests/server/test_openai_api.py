@@ -220,6 +220,9 @@ def test_metrics_names_and_latency_histograms(env):
         "jvllm:num_free_blocks", "jvllm:prefix_cache_queries_total",
         "jvllm:prefix_cache_hits_total", "jvllm:num_preemptions_total",
         "jvllm:prompt_tokens_total", "jvllm:generation_tokens_total",
+        "jvllm:num_requests_swapped", "jvllm:num_free_host_blocks",
+        "jvllm:num_swapped_out_blocks_total", "jvllm:num_swapped_in_blocks_total",
+        "jvllm:num_recomputed_tokens_total",
     ):  # fmt: skip
         assert f"\n{name} " in text, name
     m = metrics(env.url)
