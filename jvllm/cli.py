@@ -53,6 +53,8 @@ _HELP = {
     "later, or swap them to host memory and back",
     "swap_space": "GiB of host memory per device for swapped-out KV blocks "
     "(with --preemption-mode swap)",
+    "kv_offloading_size": "GiB of host memory per device for prefix-cache blocks evicted "
+    "from the device (0: off)",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
     "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
@@ -83,6 +85,7 @@ _GROUPS = {
     "async_scheduling": "SchedulerConfig",
     "preemption_mode": "SchedulerConfig",
     "swap_space": "CacheConfig",
+    "kv_offloading_size": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
     "coordinator_address": "ParallelConfig",
     "num_processes": "ParallelConfig",

@@ -43,8 +43,14 @@ class CacheConfig:
     # GiB of host memory per device for swapped-out KV blocks (vLLM's swap_space); only
     # allocated with SchedulerConfig.preemption_mode == "swap".
     swap_space: float = 4.0
+    # GiB of host memory per device for full prefix-cache blocks evicted from the device
+    # (vLLM V1's kv_offloading_size); 0 turns the host tier off.
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
+        size = self.kv_offloading_size
+        if not isinstance(size, int | float) or not 0 <= size < 1e6:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
         if not isinstance(self.swap_space, int | float) or not 0 <= self.swap_space < 1e6:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.block_size not in (8, 16, 32):

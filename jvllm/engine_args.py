@@ -53,6 +53,7 @@ class EngineArgs:
     async_scheduling: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB per device, host memory for preemption_mode="swap"
+    kv_offloading_size: float = 0.0  # GiB per device, host tier of the prefix cache
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
@@ -100,41 +101,61 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
+            kv_offloading_size=self.kv_offloading_size,
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
-        num_host_blocks = self._num_host_blocks(loaded, cache, scheduler)
-        runner = ModelRunner(loaded, num_blocks, cache, scheduler, mesh, num_host_blocks)
+        num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler)
+        runner = ModelRunner(
+            loaded, num_blocks, cache, scheduler, mesh, num_host_blocks + num_tier_blocks
+        )
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
         config = EngineConfig(model_config, cache, scheduler, parallel)
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
         return LLMEngine(
-            config, tokenizer, runner, num_blocks, loaded.spec.vocab_size, eos, num_host_blocks
+            config,
+            tokenizer,
+            runner,
+            num_blocks,
+            loaded.spec.vocab_size,
+            eos,
+            num_host_blocks,
+            num_tier_blocks,
         )
 
     def _num_host_blocks(
         self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig
-    ) -> int:
-        """Host blocks for swap preemption: swap_space GiB per device, checked against
-        the host memory available now."""
-        if scheduler.preemption_mode != "swap":
-            return 0
+    ) -> tuple[int, int]:
+        """Host blocks for swap preemption (swap_space GiB per device) and for the prefix
+        cache's host tier (kv_offloading_size GiB), checked against the host memory
+        available now."""
+        swap = cache.swap_space if scheduler.preemption_mode == "swap" else 0.0
+        tier = cache.kv_offloading_size if cache.enable_prefix_caching else 0.0
+        if not swap and not tier:
+            return 0, 0
         tp = self.tensor_parallel_size
-        needed = int(cache.swap_space * memory.GIB) * tp
+        needed = int((swap + tier) * memory.GIB) * tp
         available = memory.available_host_bytes()
         if needed > available:
             raise ValueError(
-                f"swap_space={cache.swap_space} GiB per device ({needed / memory.GIB:.1f} GiB "
-                f"for {tp} device(s)) exceeds the {available / memory.GIB:.1f} GiB of host "
-                "memory available; lower --swap-space"
+                f"swap_space={swap} and kv_offloading_size={tier} GiB per device "
+                f"({needed / memory.GIB:.1f} GiB for {tp} device(s)) exceed the "
+                f"{available / memory.GIB:.1f} GiB of host memory available; lower "
+                "--swap-space or --kv-offloading-size"
             )
         per_block = memory.kv_block_bytes(loaded.spec, cache.block_size, loaded.dtype.itemsize, tp)
         # No more than every sequence at full length could ever swap out.
         useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
-        num = min(memory.host_block_count(cache.swap_space, per_block), useful)
-        logger.info("CPU swap space: %d blocks of %d tokens", num, cache.block_size)
-        return num
+        num_swap = min(memory.host_block_count(swap, per_block), useful)
+        num_tier = memory.host_block_count(tier, per_block)
+        logger.info(
+            "Host KV memory: %d swap blocks, %d prefix-tier blocks of %d tokens",
+            num_swap,
+            num_tier,
+            cache.block_size,
+        )
+        return num_swap, num_tier
 
     def _num_blocks(
         self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig

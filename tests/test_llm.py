@@ -166,12 +166,41 @@ def test_swap_keeps_seeded_sampling_and_shared_prefixes(checkpoints):
     assert metrics["num_free_host_blocks"] == metrics["num_host_blocks"]
 
 
+def test_host_prefix_tier_brings_evicted_prefixes_back(checkpoints):
+    """A 200-token prefix evicted between its requests by unrelated ones: the host tier
+    keeps it, so later requests hit it instead of computing it again."""
+    rng = np.random.default_rng(11)
+    prefix = [int(t) for t in rng.integers(6, 512, size=200)]
+    batches = []
+    for i in range(8):
+        shared = {"prompt_token_ids": prefix + [int(t) for t in rng.integers(6, 512, 4 + i)]}
+        flusher = {"prompt_token_ids": [int(t) for t in rng.integers(6, 512, 470)]}
+        batches += [[shared], [flusher]]
+    results, metrics = {}, {}
+    for size in (0.0, 0.001):
+        # 33 usable blocks of 16: each flusher's 502 tokens evict the prefix's blocks.
+        llm = make_llm(checkpoints["mistral"], num_gpu_blocks_override=34, kv_offloading_size=size)
+        results[size] = [
+            llm.generate(b, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for b in batches
+        ]
+        metrics[size] = llm.get_metrics()
+    assert results[0.0] == results[0.001]
+    off, on = metrics[0.0], metrics[0.001]
+    assert off["num_tier_blocks"] == 0 and off["prefix_cache_host_hits"] == 0
+    assert on["num_tier_blocks"] > 0 and on["num_offloaded_blocks"] > 0
+    # Most of the 7 later prefixes (12 full blocks each) come back from the host tier.
+    assert on["prefix_cache_host_hits"] >= 5 * 192
+    assert on["prefix_cache_hits"] >= off["prefix_cache_hits"] + 5 * 192
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"preemption_mode": "evict"}, "preemption_mode must be one of"),
         ({"swap_space": -1}, "swap_space must be a number of GiB >= 0"),
-        ({"preemption_mode": "swap", "swap_space": 1e5}, "exceeds the .* GiB of host memory"),
+        ({"preemption_mode": "swap", "swap_space": 1e5}, "exceed the .* GiB of host memory"),
+        ({"kv_offloading_size": 1e5}, "exceed the .* GiB of host memory"),
+        ({"kv_offloading_size": "2"}, "kv_offloading_size must be a number"),
     ],
 )
 def test_bad_swap_settings_name_the_flag(checkpoints, kwargs, message):

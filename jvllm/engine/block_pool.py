@@ -15,7 +15,7 @@ content is evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 NULL_BLOCK = 0
@@ -38,9 +38,14 @@ class CachedBlock(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self, num_blocks: int, on_evict: Callable[[CachedBlock], None] | None = None
+    ) -> None:
+        """`on_evict` sees each cached block that allocation evicts, before its new
+        holder can write it (a host tier copies it out)."""
         assert num_blocks >= 2, f"need the null block and one usable block, got {num_blocks}"
         self.num_blocks = num_blocks
+        self._on_evict = on_evict
         self._ref_counts = [0] * num_blocks
         # Insertion-ordered set of free block ids; the front is allocated (evicted) first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -73,7 +78,9 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            cached = self._evict(block_id)
+            if cached is not None and self._on_evict is not None:
+                self._on_evict(cached)
             assert self._ref_counts[block_id] == 0
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -114,13 +121,19 @@ class BlockPool:
         return cached
 
     def register(
-        self, block_id: int, block_hash: int, parent_content_id: int, token_ids: tuple[int, ...]
+        self,
+        block_id: int,
+        block_hash: int,
+        parent_content_id: int,
+        token_ids: tuple[int, ...],
+        content_id: int | None = None,
     ) -> int | None:
         """Cache a full, computed block; returns the content id of its token prefix.
 
         If a block with the same content is cached already, this block stays uncached
         and that block's content id is returned. None when the hash is taken by other
-        content (a collision): the content cannot be cached then.
+        content (a collision): the content cannot be cached then. `content_id` restores
+        the id of content brought back from a host tier (no block holds it now).
         """
         assert self._ref_counts[block_id] > 0, f"registering free block {block_id}"
         existing = self._cached_by_hash.get(block_hash)
@@ -129,10 +142,9 @@ class BlockPool:
                 return existing.content_id
             return None
         assert block_id not in self._cached_by_block, f"block {block_id} holds other content"
-        cached = CachedBlock(
-            block_id, block_hash, self._next_content_id, parent_content_id, token_ids
-        )
-        self._next_content_id += 1
+        if content_id is None:
+            content_id, self._next_content_id = self._next_content_id, self._next_content_id + 1
+        cached = CachedBlock(block_id, block_hash, content_id, parent_content_id, token_ids)
         self._cached_by_hash[block_hash] = cached
         self._cached_by_block[block_id] = cached
         return cached.content_id
@@ -142,10 +154,11 @@ class BlockPool:
         assert self._ref_counts[block_id] > 0, f"uncaching free block {block_id}"
         self._evict(block_id)
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int) -> CachedBlock | None:
         cached = self._cached_by_block.pop(block_id, None)
         if cached is not None:
             del self._cached_by_hash[cached.block_hash]
+        return cached
 
 
 def _same_content(cached: CachedBlock, parent_content_id: int, token_ids: tuple[int, ...]) -> bool:

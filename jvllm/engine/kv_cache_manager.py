@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool
+from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock
+from jvllm.engine.host_tier import HostEntry, HostPrefixTier
 from jvllm.engine.request import Request
 
 # Parent hash of every sequence's first block.
@@ -32,11 +33,16 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 class CachedPrefix(NamedTuple):
-    """The leading full blocks of a request found in the prefix cache."""
+    """The leading full blocks of a request found in the prefix cache.
+
+    A block found in the host tier has NULL_BLOCK in `block_ids` and its entry in
+    `host_hits` (table index -> entry): allocation brings it back into a new block.
+    """
 
     block_ids: list[int]
     content_ids: list[int]
     num_tokens: int
+    host_hits: dict[int, HostEntry] = {}
 
 
 EMPTY_PREFIX = CachedPrefix([], [], 0)
@@ -53,12 +59,26 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         num_host_blocks: int = 0,
+        num_tier_blocks: int = 0,
     ) -> None:
+        """Host blocks 1..num_host_blocks hold swapped-out requests; the next
+        `num_tier_blocks` are the prefix cache's host tier (with prefix caching on)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.host_tier = None
+        if num_tier_blocks and enable_prefix_caching:
+            first = num_host_blocks + 1
+            self.host_tier = HostPrefixTier(range(first, first + num_tier_blocks))
+        on_evict = self._offload if self.host_tier is not None else None
+        self.block_pool = BlockPool(num_blocks, on_evict)
         # Host blocks for swapped-out requests (block 0 of this pool is never used).
         self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks else None
+        # Host-tier copies since the last take_host_copies(): (device, host), (host, device).
+        self._offloads: list[tuple[int, int]] = []
+        self._onloads: list[tuple[int, int]] = []
+        self.prefix_cache_host_hits = 0  # tokens found in the host tier
+        self.num_offloaded_blocks = 0
+        self.num_onloaded_blocks = 0
         # Swapped-out request id -> {table index: host block}.
         self._host_blocks: dict[str, dict[int, int]] = {}
         self._block_tables: dict[str, list[int]] = {}
@@ -89,16 +109,25 @@ class KVCacheManager:
             return EMPTY_PREFIX
         block_ids: list[int] = []
         content_ids: list[int] = []
+        host_hits: dict[int, HostEntry] = {}
         parent = ROOT_CONTENT_ID
         for index in range((request.num_tokens - 1) // self.block_size):
             tokens = tuple(self._block_tokens(request, index))
-            cached = self.block_pool.lookup(self._block_hash(request, index), parent, tokens)
-            if cached is None:
+            block_hash = self._block_hash(request, index)
+            cached = self.block_pool.lookup(block_hash, parent, tokens)
+            if cached is not None:
+                block_ids.append(cached.block_id)
+                content_ids.append(cached.content_id)
+            elif self.host_tier is not None and (
+                entry := self.host_tier.lookup(block_hash, parent, tokens)
+            ):
+                host_hits[index] = entry
+                block_ids.append(NULL_BLOCK)
+                content_ids.append(entry.content_id)
+            else:
                 break
-            block_ids.append(cached.block_id)
-            content_ids.append(cached.content_id)
-            parent = cached.content_id
-        return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size)
+            parent = content_ids[-1]
+        return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size, host_hits)
 
     def allocate_slots(
         self,
@@ -137,20 +166,24 @@ class KVCacheManager:
         num_held = len(table) + len(prefix.block_ids)
         num_new_blocks = max(0, cdiv(max(end, num_reserved_tokens), self.block_size) - num_held)
         shared = self._shared_blocks_in(table, start, end)
+        device_hits = [b for b in prefix.block_ids if b != NULL_BLOCK]
         # Reviving a free cached block takes it out of the free queue too.
-        num_revived = sum(self.block_pool.ref_count(b) == 0 for b in prefix.block_ids)
-        if num_new_blocks + len(shared) > self.block_pool.num_free_blocks - num_revived:
+        num_revived = sum(self.block_pool.ref_count(b) == 0 for b in device_hits)
+        num_needed = num_new_blocks + len(shared) + len(prefix.host_hits)
+        if num_needed > self.block_pool.num_free_blocks - num_revived:
             return False
 
         # Take the hits before allocating, so that allocation cannot evict them.
-        self.block_pool.incref(prefix.block_ids)
+        self.block_pool.incref(device_hits)
         table = self._block_tables.setdefault(request.request_id, [])
         table += prefix.block_ids
+        self._onload(request, table, prefix.host_hits)
         table += self.block_pool.allocate(num_new_blocks)
         self._copy_on_write(table, shared, start)
         if cached_prefix is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += prefix.num_tokens
+            self.prefix_cache_host_hits += len(prefix.host_hits) * self.block_size
             self._content_ids[request.request_id] = list(prefix.content_ids)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, table, end)
@@ -183,6 +216,44 @@ class KVCacheManager:
             self.host_pool.free(host.values())
         self._block_hashes.pop(request_id, None)
         self._content_ids.pop(request_id, None)
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's (device, host) copies out and (host, device) copies in since
+        the last call; ends the tier's step (blocks copied in are reusable again)."""
+        offloads, self._offloads = self._offloads, []
+        onloads, self._onloads = self._onloads, []
+        if self.host_tier is not None:
+            self.host_tier.end_step()
+        return offloads, onloads
+
+    def _offload(self, cached: CachedBlock) -> None:
+        """The device pool is evicting a cached block: keep its content in the host tier."""
+        assert self.host_tier is not None
+        host_block = self.host_tier.store(
+            cached.block_hash, cached.parent_content_id, cached.token_ids, cached.content_id
+        )
+        if host_block is not None:
+            self._offloads.append((cached.block_id, host_block))
+            self.num_offloaded_blocks += 1
+
+    def _onload(self, request: Request, table: list[int], hits: dict[int, HostEntry]) -> None:
+        """Host-tier hits come back into new device blocks, cached again as before."""
+        if not hits:
+            return
+        assert self.host_tier is not None
+        # Taken first: the allocation below may evict blocks into the tier, which must
+        # not reuse these entries' host blocks before the runner has read them.
+        for index in hits:
+            self.host_tier.take(self._block_hash(request, index))
+        blocks = self.block_pool.allocate(len(hits))
+        for (index, entry), block in zip(hits.items(), blocks, strict=True):
+            block_hash = self._block_hash(request, index)
+            table[index] = block
+            self._onloads.append((entry.host_block, block))
+            self.num_onloaded_blocks += 1
+            self.block_pool.register(
+                block, block_hash, entry.parent_content_id, entry.token_ids, entry.content_id
+            )
 
     def can_swap_out(self, request: Request) -> bool:
         """Whether the host pool has room for the request's computed blocks."""

@@ -73,6 +73,7 @@ class LLMEngine:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         num_host_blocks: int = 0,
+        num_tier_blocks: int = 0,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -81,7 +82,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, num_host_blocks
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            num_host_blocks,
+            num_tier_blocks,
         )
         self._rng = random.Random(config.model_config.seed)
         self._groups: dict[str, SequenceGroup] = {}
@@ -361,6 +366,11 @@ class LLMEngine:
             "num_recomputed_tokens": st.num_recomputed_tokens,
             "num_host_blocks": st.num_host_blocks,
             "num_free_host_blocks": st.num_free_host_blocks,
+            "prefix_cache_host_hits": st.prefix_cache_host_hits,
+            "num_offloaded_blocks": st.num_offloaded_blocks,
+            "num_onloaded_blocks": st.num_onloaded_blocks,
+            "num_tier_blocks": st.num_tier_blocks,
+            "num_used_tier_blocks": st.num_used_tier_blocks,
         }
 
 

@@ -74,6 +74,11 @@ class SchedulerStats(NamedTuple):
     num_recomputed_tokens: int  # cumulative computed tokens dropped by recompute preemption
     num_host_blocks: int  # the host pool's size (0 without swap)
     num_free_host_blocks: int
+    prefix_cache_host_hits: int  # tokens, cumulative; of prefix_cache_hits, from the host tier
+    num_offloaded_blocks: int  # cumulative evicted cached blocks copied to the host tier
+    num_onloaded_blocks: int  # cumulative host-tier hits copied back
+    num_tier_blocks: int  # the host tier's size
+    num_used_tier_blocks: int
 
 
 @dataclass
@@ -96,7 +101,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         num_host_blocks: int = 0,
+        num_tier_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks` host blocks for swapping (with preemption_mode="swap") and
+        `num_tier_blocks` more for the prefix cache's host tier."""
         blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
         if num_blocks - 1 < blocks_per_seq:
             raise ValueError(
@@ -115,6 +123,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             num_host_blocks if self.swaps else 0,
+            num_tier_blocks,
         )
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         # Swapped out, oldest first; they come back before any waiting request is admitted.
@@ -147,6 +156,7 @@ class Scheduler:
             self._schedule_swapped(step)
             if not self.swapped:
                 self._schedule_waiting(step)
+        offloads, onloads = self.kv_cache_manager.take_host_copies()
         self._sampling_rows = {row.request_id: i for i, row in enumerate(step.rows) if row.samples}
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self._pending_steps.append(step_id)
@@ -156,8 +166,8 @@ class Scheduler:
             blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
             preempted_request_ids=step.preempted_ids,
             num_scheduled_tokens=sum(len(row.token_ids) for row in step.rows),
-            blocks_to_swap_out=step.swap_out,
-            blocks_to_swap_in=step.swap_in,
+            blocks_to_swap_out=step.swap_out + offloads,
+            blocks_to_swap_in=step.swap_in + onloads,
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -242,6 +252,11 @@ class Scheduler:
             num_recomputed_tokens=self._num_recomputed_tokens,
             num_host_blocks=kv.host_pool.num_usable_blocks if kv.host_pool else 0,
             num_free_host_blocks=kv.host_pool.num_free_blocks if kv.host_pool else 0,
+            prefix_cache_host_hits=kv.prefix_cache_host_hits,
+            num_offloaded_blocks=kv.num_offloaded_blocks,
+            num_onloaded_blocks=kv.num_onloaded_blocks,
+            num_tier_blocks=kv.host_tier.num_blocks if kv.host_tier else 0,
+            num_used_tier_blocks=kv.host_tier.num_used_blocks if kv.host_tier else 0,
         )
 
     def _schedule_running(self, step: _Step) -> None:

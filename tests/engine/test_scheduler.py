@@ -341,7 +341,10 @@ class _Trace:
         cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=prefix_caching)
         num_blocks = blocks_per_seq + 1 + rng.randint(0, 2 * blocks_per_seq)
         num_host_blocks = rng.randint(1, 3 * blocks_per_seq)
-        self.scheduler = Scheduler(self.config, cache_config, num_blocks, num_host_blocks)
+        num_tier_blocks = rng.choice([0, rng.randint(1, 2 * blocks_per_seq)])
+        self.scheduler = Scheduler(
+            self.config, cache_config, num_blocks, num_host_blocks, num_tier_blocks
+        )
         self.host_cache: dict[int, int] = {}  # host slot -> fingerprint, as `cache`
         self.kv = self.scheduler.kv_cache_manager
         self.vocab = rng.choice([2, 4, 1000])  # few symbols: many equal blocks
@@ -580,6 +583,11 @@ class _Trace:
             host_free = set(self.kv.host_pool.free_block_ids())
             for h in range(1, self.kv.host_pool.num_blocks):
                 assert host_held[h] == (h not in host_free) == self.kv.host_pool.ref_count(h)
+        tier = self.kv.host_tier
+        if tier is not None:  # every tier block is free or holds exactly one entry
+            first = self.kv.host_pool.num_blocks if self.kv.host_pool else 1
+            blocks = sorted(tier.free_block_ids() + tier.held_block_ids())
+            assert blocks == list(range(first, first + tier.num_blocks))
         for r in self.scheduler.swapped:
             table, host = (
                 self.kv.get_block_table(r.request_id),
