@@ -47,6 +47,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._on_evict = on_evict
         self._ref_counts = [0] * num_blocks
+        # Bumped at each allocation: (block, generation) names one tenancy of a block.
+        self._generations = [0] * num_blocks
         # Insertion-ordered set of free block ids; the front is allocated (evicted) first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached_by_hash: dict[int, CachedBlock] = {}
@@ -64,6 +66,13 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def generation(self, block_id: int) -> int:
+        return self._generations[block_id]
+
+    def holds(self, block_id: int, generation: int) -> bool:
+        """Whether the block is still held in the tenancy `generation` names."""
+        return self._ref_counts[block_id] > 0 and self._generations[block_id] == generation
 
     def free_block_ids(self) -> list[int]:
         """The free queue, front (next to be allocated) first."""
@@ -83,6 +92,7 @@ class BlockPool:
                 self._on_evict(cached)
             assert self._ref_counts[block_id] == 0
             self._ref_counts[block_id] = 1
+            self._generations[block_id] += 1
             block_ids.append(block_id)
         return block_ids
 

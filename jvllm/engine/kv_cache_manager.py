@@ -22,6 +22,7 @@ from typing import NamedTuple
 from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock
 from jvllm.engine.host_tier import HostEntry, HostPrefixTier
 from jvllm.engine.request import Request
+from jvllm.engine.swap_space import SwapSpace
 
 # Parent hash of every sequence's first block.
 ROOT_HASH = 0
@@ -71,16 +72,14 @@ class KVCacheManager:
             self.host_tier = HostPrefixTier(range(first, first + num_tier_blocks))
         on_evict = self._offload if self.host_tier is not None else None
         self.block_pool = BlockPool(num_blocks, on_evict)
-        # Host blocks for swapped-out requests (block 0 of this pool is never used).
-        self.host_pool = BlockPool(num_host_blocks + 1) if num_host_blocks else None
+        # Host blocks for swapped-out requests.
+        self.swap_space = SwapSpace(num_host_blocks, self.block_pool) if num_host_blocks else None
         # Host-tier copies since the last take_host_copies(): (device, host), (host, device).
         self._offloads: list[tuple[int, int]] = []
         self._onloads: list[tuple[int, int]] = []
         self.prefix_cache_host_hits = 0  # tokens found in the host tier
         self.num_offloaded_blocks = 0
         self.num_onloaded_blocks = 0
-        # Swapped-out request id -> {table index: host block}.
-        self._host_blocks: dict[str, dict[int, int]] = {}
         self._block_tables: dict[str, list[int]] = {}
         # Chained hashes of a request's leading full blocks, extended on demand.
         self._block_hashes: dict[str, list[int]] = {}
@@ -210,10 +209,8 @@ class KVCacheManager:
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
         self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
-        host = self._host_blocks.pop(request_id, None)
-        if host:
-            assert self.host_pool is not None
-            self.host_pool.free(host.values())
+        if self.swap_space is not None:
+            self.swap_space.free(request_id)
         self._block_hashes.pop(request_id, None)
         self._content_ids.pop(request_id, None)
 
@@ -255,63 +252,58 @@ class KVCacheManager:
                 block, block_hash, entry.parent_content_id, entry.token_ids, entry.content_id
             )
 
+    @property
+    def host_pool(self) -> BlockPool | None:
+        """The swap space's host blocks (None without swap preemption)."""
+        return self.swap_space.pool if self.swap_space is not None else None
+
     def can_swap_out(self, request: Request) -> bool:
         """Whether the host pool has room for the request's computed blocks."""
-        if self.host_pool is None:
+        if self.swap_space is None:
             return False
-        return len(self._swappable(request)) <= self.host_pool.num_free_blocks
+        blocks = self._computed_blocks(request)
+        needed = self.swap_space.num_new_host_blocks(blocks, self._num_full(request))
+        return needed <= self.swap_space.pool.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Moves the request's computed blocks to host blocks and drops its device blocks
         (a block others share stays theirs); returns the (device, host) copies. Blocks
         past its computed tokens are dropped (nothing was written there)."""
-        assert self.host_pool is not None and self.can_swap_out(request), request
+        assert self.swap_space is not None and self.can_swap_out(request), request
         self.drop_unwritten(request)
         table = self._block_tables.get(request.request_id, [])
-        num_computed = cdiv(request.num_computed_tokens, self.block_size)
-        self.block_pool.free(reversed(table[num_computed:]))
-        del table[num_computed:]
-        indices = self._swappable(request)
-        host = self.host_pool.allocate(len(indices))
-        pairs = [(table[i], h) for i, h in zip(indices, host, strict=True)]
-        self.block_pool.free(reversed([table[i] for i in indices]))
-        for i in indices:
-            table[i] = NULL_BLOCK
-        self._host_blocks[request.request_id] = dict(zip(indices, host, strict=True))
+        blocks = self._computed_blocks(request)
+        pairs = self.swap_space.swap_out(request.request_id, blocks, self._num_full(request))
+        self.block_pool.free(reversed(table))
+        table[:] = [NULL_BLOCK] * len(blocks)
         return pairs
 
     def swap_in(self, request: Request, num_spare_blocks: int) -> list[tuple[int, int]] | None:
-        """Brings a swapped-out request's blocks back into new device blocks, leaving at
-        least `num_spare_blocks` free; returns the (host, device) copies, or None
-        (changing nothing) when the device pool has no room."""
-        assert self.host_pool is not None
-        host = self._host_blocks.get(request.request_id, {})
-        if len(host) + num_spare_blocks > self.block_pool.num_free_blocks:
+        """Brings a swapped-out request's blocks back (into new device blocks, or ones it
+        shares again), leaving at least `num_spare_blocks` free; returns the (host,
+        device) copies, or None (changing nothing) when the device pool has no room."""
+        assert self.swap_space is not None
+        needed = self.swap_space.num_new_device_blocks(request.request_id)
+        if needed + num_spare_blocks > self.block_pool.num_free_blocks:
             return None
-        del self._host_blocks[request.request_id]
+        blocks, pairs = self.swap_space.swap_in(
+            request.request_id, self._num_full(request), self.block_pool.allocate
+        )
         table = self._block_tables.setdefault(request.request_id, [])
-        pairs = []
-        for (index, host_block), block in zip(
-            host.items(), self.block_pool.allocate(len(host)), strict=True
-        ):
+        for index, block in blocks.items():
             table[index] = block
-            pairs.append((host_block, block))
-        self.host_pool.free(host.values())
         return pairs
-
-    def num_swapped_blocks(self) -> int:
-        return sum(len(h) for h in self._host_blocks.values())
 
     def get_host_blocks(self, request_id: str) -> dict[int, int]:
         """A copy of the swapped-out request's {table index: host block}."""
-        return dict(self._host_blocks.get(request_id, {}))
+        return self.swap_space.get_host_blocks(request_id) if self.swap_space else {}
 
-    def _swappable(self, request: Request) -> list[int]:
-        """Table indices of the request's computed blocks: all of them, shared or not, so
-        that a swapped-out request holds no device block (shared ones held by swapped
-        requests alone could pin the pool and starve the running)."""
+    def _computed_blocks(self, request: Request) -> list[int]:
         table = self._block_tables.get(request.request_id, [])
-        return list(range(min(len(table), cdiv(request.num_computed_tokens, self.block_size))))
+        return table[: cdiv(request.num_computed_tokens, self.block_size)]
+
+    def _num_full(self, request: Request) -> int:
+        return request.num_computed_tokens // self.block_size
 
     def drop_unwritten(self, request: Request) -> None:
         """Uncache the blocks this request registered beyond its computed tokens.

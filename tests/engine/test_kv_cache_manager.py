@@ -187,3 +187,36 @@ def test_allocate_slots_rejects_an_empty_step():
     kv = KVCacheManager(10, BS, enable_prefix_caching=False)
     with pytest.raises(AssertionError):
         kv.allocate_slots(_request("a", [1, 2]), 0)
+
+
+def test_swapped_siblings_copy_their_shared_full_blocks_once():
+    kv = KVCacheManager(16, BS, enable_prefix_caching=False, num_host_blocks=8)
+    a = _request("a", list(range(1, 21)))  # 20 tokens: two full blocks and four more
+    _admit(kv, a)
+    b = _request("b", a.prompt_token_ids)
+    kv.fork("a", "b", 19)
+    b.num_computed_tokens = 19
+    shared = kv.get_block_table("a")
+    assert kv.get_block_table("b") == shared and len(shared) == 3
+    out_a = kv.swap_out(a)
+    assert [d for d, _ in out_a] == shared  # every block, the partial one too
+    out_b = kv.swap_out(b)
+    # b's full blocks share a's host copies; only its partial block is copied.
+    assert [d for d, _ in out_b] == [shared[2]]
+    host_a, host_b = kv.get_host_blocks("a"), kv.get_host_blocks("b")
+    assert [host_a[i] for i in (0, 1)] == [host_b[i] for i in (0, 1)] and host_a[2] != host_b[2]
+    assert kv.get_block_table("a") == kv.get_block_table("b") == [0, 0, 0]
+    assert kv.block_pool.num_free_blocks == kv.block_pool.num_usable_blocks
+    assert kv.host_pool.num_usable_blocks - kv.host_pool.num_free_blocks == 4
+    in_a = kv.swap_in(a, 0)
+    assert len(in_a) == 3
+    in_b = kv.swap_in(b, 0)
+    # b shares the full blocks a brought back; its own partial block is copied in.
+    assert [h for h, _ in in_b] == [host_b[2]]
+    table_a, table_b = kv.get_block_table("a"), kv.get_block_table("b")
+    assert table_a[:2] == table_b[:2] and table_a[2] != table_b[2]
+    assert all(kv.block_pool.ref_count(blk) == 2 for blk in table_a[:2])
+    assert kv.host_pool.num_free_blocks == kv.host_pool.num_usable_blocks
+    kv.free("a")
+    kv.free("b")
+    assert kv.block_pool.num_free_blocks == kv.block_pool.num_usable_blocks

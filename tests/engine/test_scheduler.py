@@ -573,7 +573,7 @@ class _Trace:
         holders = Counter(
             b for r in holding for b in self.kv.get_block_table(r.request_id) if b != 0
         )
-        # Every host block is free or held by exactly one swapped request.
+        # Every host block is free or held by as many swapped requests as its ref count.
         host_held = Counter(
             h
             for r in self.scheduler.swapped
@@ -582,7 +582,8 @@ class _Trace:
         if self.kv.host_pool is not None:
             host_free = set(self.kv.host_pool.free_block_ids())
             for h in range(1, self.kv.host_pool.num_blocks):
-                assert host_held[h] == (h not in host_free) == self.kv.host_pool.ref_count(h)
+                assert host_held[h] == self.kv.host_pool.ref_count(h)
+                assert (h in host_free) == (host_held[h] == 0)
         tier = self.kv.host_tier
         if tier is not None:  # every tier block is free or holds exactly one entry
             first = self.kv.host_pool.num_blocks if self.kv.host_pool else 1
