@@ -14,6 +14,7 @@ cache manager turns its answers into (device, host) and (host, device) copies.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from jvllm.engine.block_pool import BlockPool
 
@@ -22,10 +23,9 @@ class SwapSpace:
     def __init__(self, num_blocks: int, device_pool: BlockPool) -> None:
         self.pool = BlockPool(num_blocks + 1)  # block 0 unused, as the device's null block
         self._device = device_pool
-        # Full device block -> (host copy, host generation, device generation).
-        self._copy_of: dict[int, tuple[int, int, int]] = {}
-        # Full host block -> (device block it came back into, device gen, host gen).
-        self._back_in: dict[int, tuple[int, int, int]] = {}
+        # Full device block -> its host copy; full host block -> where it came back in.
+        self._copy_of: dict[int, _Pair] = {}
+        self._back_in: dict[int, _Pair] = {}
         self._tables: dict[str, dict[int, int]] = {}  # request id -> {table index: host block}
 
     def get_host_blocks(self, request_id: str) -> dict[int, int]:
@@ -51,8 +51,7 @@ class SwapSpace:
             table[index] = host
             if index < num_full and self._device.ref_count(block) > 1:
                 # Others still hold it: a later swap-out of theirs can share this copy.
-                gen = self._device.generation(block)
-                self._copy_of[block] = (host, self.pool.generation(host), gen)
+                self._copy_of[block] = self._pair(block, host)
         self._tables[request_id] = table
         return copies
 
@@ -76,8 +75,7 @@ class SwapSpace:
                 block = blocks[index]
                 copies.append((host, block))
                 if index < num_full and self.pool.ref_count(host) > 1:
-                    gen = self._device.generation(block)
-                    self._back_in[host] = (block, gen, self.pool.generation(host))
+                    self._back_in[host] = self._pair(block, host)
             else:
                 blocks[index] = shared[index]
         self.pool.free(table.values())
@@ -88,24 +86,37 @@ class SwapSpace:
         if table:
             self.pool.free(table.values())
 
+    def _pair(self, block: int, host: int) -> _Pair:
+        return _Pair(block, self._device.generation(block), host, self.pool.generation(host))
+
     def _host_copy(self, block: int) -> int | None:
         """The live host copy of a full device block, if one was made in its tenancy."""
-        entry = self._copy_of.get(block)
-        if entry is None:
-            return None
-        host, host_gen, device_gen = entry
-        if self._device.holds(block, device_gen) and self.pool.holds(host, host_gen):
-            return host
-        del self._copy_of[block]
-        return None
+        pair = self._live(self._copy_of, block)
+        return pair.host if pair is not None else None
 
     def _device_copy(self, host: int) -> int | None:
         """The live device block a full host block came back into, if any."""
-        entry = self._back_in.get(host)
-        if entry is None:
+        pair = self._live(self._back_in, host)
+        return pair.device if pair is not None else None
+
+    def _live(self, pairs: dict[int, _Pair], key: int) -> _Pair | None:
+        """pairs[key] while both of its blocks are in the tenancies it names (forgotten
+        once either is freed)."""
+        pair = pairs.get(key)
+        if pair is None:
             return None
-        block, device_gen, host_gen = entry
-        if self._device.holds(block, device_gen) and self.pool.holds(host, host_gen):
-            return block
-        del self._back_in[host]
+        if self._device.holds(pair.device, pair.device_gen) and self.pool.holds(
+            pair.host, pair.host_gen
+        ):
+            return pair
+        del pairs[key]
         return None
+
+
+class _Pair(NamedTuple):
+    """A device block and a host block holding the same full block's K/V."""
+
+    device: int
+    device_gen: int
+    host: int
+    host_gen: int
