@@ -55,6 +55,8 @@ _HELP = {
     "(with --preemption-mode swap)",
     "kv_offloading_size": "GiB of host memory per device for prefix-cache blocks evicted "
     "from the device (0: off)",
+    "cpu_offload_gb": "GiB of weights per device kept in host memory (CPU backend: "
+    "nothing to offload; other backends: not implemented yet)",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
     "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
@@ -86,6 +88,7 @@ _GROUPS = {
     "preemption_mode": "SchedulerConfig",
     "swap_space": "CacheConfig",
     "kv_offloading_size": "CacheConfig",
+    "cpu_offload_gb": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
     "coordinator_address": "ParallelConfig",
     "num_processes": "ParallelConfig",

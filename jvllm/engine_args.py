@@ -54,6 +54,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB per device, host memory for preemption_mode="swap"
     kv_offloading_size: float = 0.0  # GiB per device, host tier of the prefix cache
+    cpu_offload_gb: float = 0.0  # GiB of weights per device kept in host memory
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
@@ -72,6 +73,7 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def create_engine(self) -> LLMEngine:
+        _check_cpu_offload(self.cpu_offload_gb)
         enable_compilation_cache(self.compilation_cache_dir)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
@@ -205,6 +207,22 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _check_cpu_offload(gib: float) -> None:
+    """vLLM's cpu_offload_gb: on the CPU backend the weights are in host memory already,
+    so there is nothing to offload; on an accelerator it is refused, not ignored."""
+    if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 <= gib < 1e6:
+        raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gib!r}")
+    if not gib:
+        return
+    if jax.default_backend() == "cpu":
+        logger.info("cpu_offload_gb=%s: on the CPU backend weights are in host memory", gib)
+        return
+    raise ValueError(
+        f"cpu_offload_gb={gib}: weight offload to host memory is not implemented for "
+        f"the {jax.default_backend()} backend yet; leave it at 0"
+    )
 
 
 def _resolve_backend(backend: str) -> str:

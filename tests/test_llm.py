@@ -201,11 +201,20 @@ def test_host_prefix_tier_brings_evicted_prefixes_back(checkpoints):
         ({"preemption_mode": "swap", "swap_space": 1e5}, "exceed the .* GiB of host memory"),
         ({"kv_offloading_size": 1e5}, "exceed the .* GiB of host memory"),
         ({"kv_offloading_size": "2"}, "kv_offloading_size must be a number"),
+        ({"cpu_offload_gb": -1}, "cpu_offload_gb must be a number"),
     ],
 )
 def test_bad_swap_settings_name_the_flag(checkpoints, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_llm(checkpoints["llama"], **kwargs)
+
+
+def test_cpu_offload_gb_has_nothing_to_offload_on_cpu(checkpoints, caplog):
+    with caplog.at_level("INFO", logger="jvllm"):
+        llm = make_llm(checkpoints["llama"], cpu_offload_gb=1)
+    assert "weights are in host memory" in caplog.text
+    out = llm.generate(token_prompts(prompts(lengths=[8])), GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids
 
 
 def test_logprobs_match_hf_log_softmax(checkpoints, hf_models):
