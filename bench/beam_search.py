@@ -29,7 +29,7 @@ from bench import common
 from jvllm import LLM, BeamSearchParams, SamplingParams
 from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
 from jvllm.demo.corpus import PROMPTS
-from jvllm.engine.beam_search import Beam, BeamGroup, Candidates
+from jvllm.engine.beam_search import BeamGroup, Candidates
 
 
 def resubmit_search(
@@ -53,15 +53,7 @@ def resubmit_search(
             if done:
                 live.remove(group)
                 continue
-            group.beams = [
-                Beam(
-                    group.new_request([*c.parent.request.output_token_ids, c.token_id]),
-                    group.request_id,
-                    c.cum_logprob,
-                    [*c.parent.history, c.parent.candidates],
-                )
-                for c in continuations
-            ]
+            group.continue_with(continuations)
     return [[h.token_ids for h in g.finished] for g in groups]
 
 

@@ -159,6 +159,20 @@ class BeamGroup:
         request.output_token_ids = output_token_ids
         return request
 
+    def continue_with(self, continuations: list[Continuation]) -> list[Beam]:
+        """The next beams, each a new request one token past its parent's; they become
+        `beams`. Their KV blocks are the scheduler's business (`replace_beams`)."""
+        self.beams = [
+            Beam(
+                self.new_request([*c.parent.request.output_token_ids, c.token_id]),
+                self.request_id,
+                c.cum_logprob,
+                [*c.parent.history, c.parent.candidates],
+            )
+            for c in continuations
+        ]
+        return self.beams
+
     @property
     def ready(self) -> bool:
         """Whether every live beam has proposed its candidates for this length."""

@@ -10,8 +10,8 @@ A block table only changes at positions not yet computed, except by copy-on-writ
 whose (old, new) copy the runner applies before the step's forward, and by swapping:
 a swapped-out request's computed blocks move to host blocks of a second pool (the
 runner copies them out before the step's forward, and back into new device blocks
-when swapped in). It holds no device block while swapped out; a block it shared is
-copied for it, and comes back as its own.
+when swapped in). It holds no device block while swapped out; `SwapSpace` decides
+which host copies, and which device blocks on the way back, holders may share.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from jvllm.config import EngineConfig
 from jvllm.engine.beam_search import Beam, BeamGroup, Candidates, check_beam_search
+from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
@@ -147,8 +148,7 @@ class LLMEngine:
         group = BeamGroup(
             request_id, text, ids, params, self.eos_token_ids, self.max_model_len, arrival
         )
-        block_size = self.config.cache_config.block_size
-        blocks_per_beam = -(-(len(ids) + group.max_generated) // block_size)
+        blocks_per_beam = cdiv(len(ids) + group.max_generated, self.config.cache_config.block_size)
         num_usable = self.scheduler.kv_cache_manager.block_pool.num_usable_blocks
         check_beam_search(params, sorted(self.eos_token_ids), sched, num_usable, blocks_per_beam)
         self._beam_groups[request_id] = group
@@ -287,19 +287,18 @@ class LLMEngine:
         if done:
             self._retire_beams(group, RequestStatus.FINISHED_STOPPED)
             return group.output(self.tokenizer)
-        parents, children, pairs = group.beams, [], []
-        for c in continuations:
-            request = group.new_request([*c.parent.request.output_token_ids, c.token_id])
-            history = [*c.parent.history, c.parent.candidates]
-            children.append(Beam(request, group.request_id, c.cum_logprob, history))
-            pairs.append((request, c.parent.request))
+        parents = group.beams
+        children = group.continue_with(continuations)
+        pairs = [
+            (beam.request, c.parent.request)
+            for beam, c in zip(children, continuations, strict=True)
+        ]
         self.scheduler.replace_beams([p.request for p in parents], pairs)
         for parent in parents:
             parent.finished = True
             del self._beams[parent.request.request_id]
         for beam in children:
             self._beams[beam.request.request_id] = beam
-        group.beams = children
         self.generation_tokens += len(children)
         return None
 

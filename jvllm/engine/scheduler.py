@@ -130,6 +130,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self._requests: dict[str, Request] = {}  # every unfinished request
+        self._num_beams = 0  # of those, beams of beam searches
         self._pending_steps: deque[int] = deque()  # step ids scheduled, not yet committed
         self._next_step_id = 0
         # Request id -> its row in the latest step, for rows that sample.
@@ -145,6 +146,7 @@ class Scheduler:
         assert 0 < request.num_tokens <= self.scheduler_config.max_model_len, request
         assert request.status is RequestStatus.WAITING, request
         self._requests[request.request_id] = request
+        self._num_beams += request.beam_group is not None
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -209,6 +211,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             self._requests[child.request_id] = child
+            self._num_beams += 1
         for parent in parents:
             self.finish_request(parent.request_id, RequestStatus.FINISHED_STOPPED)
         self.running[position:position] = [child for child, _ in children]
@@ -222,6 +225,7 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self._num_beams -= request.beam_group is not None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
@@ -262,9 +266,22 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         index = 0
         while index < len(self.running) and step.budget > 0:
+            request = self.running[index]
+            if request.beam_group is None:  # the common case: a unit of one, no lists
+                # Its sampled tokens may end it by length: it finishes when the last
+                # placeholder is committed.
+                if not self._reaches_length_limit(request):
+                    num_new = min(
+                        request.num_tokens_with_placeholders - request.num_computed_tokens,
+                        step.budget,
+                    )
+                    if not self._allocate(step, request, num_new, [request]):
+                        return
+                    self._add_row(step, request, num_new)
+                index += 1
+                continue
             unit = self._unit_at(index)
-            # A request whose sampled tokens end it by length finishes when its last
-            # placeholder is committed; a beam waits for its group's selection.
+            # A beam waits for its group's selection.
             todo = [r for r in unit if not (r.waits_for_selection or self._reaches_length_limit(r))]
             if todo and not self._schedule_unit(step, unit, todo):
                 return
@@ -282,21 +299,28 @@ class Scheduler:
                 request.num_tokens_with_placeholders - request.num_computed_tokens,
                 budget - (len(todo) - 1 - i),
             )
-            assert num_new > 0, f"{request} has nothing to compute"
             sizes.append(num_new)
             budget -= num_new
         for request, num_new in zip(todo, sizes, strict=True):
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
-                # Preempt the most recently admitted unit that is not scheduled yet:
-                # everything before this unit is scheduled, so the tail is always eligible.
-                victims = self._pop_tail_unit()
-                for victim in reversed(victims):  # so the unit keeps its order in waiting
-                    self._preempt(step, victim)
-                step.preempted_ids += [v.request_id for v in victims]
-                if unit[0] in victims:
-                    return False
+            if not self._allocate(step, request, num_new, unit):
+                return False
         for request, num_new in zip(todo, sizes, strict=True):
             self._add_row(step, request, num_new)
+        return True
+
+    def _allocate(self, step: _Step, request: Request, num_new: int, unit: list[Request]) -> bool:
+        """Slots for the request's next `num_new` tokens, preempting from the tail until
+        they fit; False when that preempted the request's own unit."""
+        assert num_new > 0, f"{request} has nothing to compute"
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            # Preempt the most recently admitted unit that is not scheduled yet:
+            # everything before this unit is scheduled, so the tail is always eligible.
+            victims = self._pop_tail_unit()
+            for victim in reversed(victims):  # so the unit keeps its order in waiting
+                self._preempt(step, victim)
+            step.preempted_ids += [v.request_id for v in victims]
+            if unit[0] in victims:
+                return False
         return True
 
     def _unit_at(self, index: int) -> list[Request]:
@@ -334,7 +358,9 @@ class Scheduler:
         the beams of a group (preempted together) are admitted together."""
         skipped: list[Request] = []
         # Sequences a beam search that has not forked yet will add to its one.
-        unforked = sum(r.beam_width - 1 for r in self.running if _is_unforked_beam(r))
+        unforked = 0
+        if self._num_beams:
+            unforked = sum(r.beam_width - 1 for r in self.running if _is_unforked_beam(r))
         free_seats = self.scheduler_config.max_num_seqs - len(self.running) - unforked
         while self.waiting and step.budget > 0:
             unit = [self.waiting.popleft()]
@@ -468,7 +494,8 @@ class Scheduler:
             self._num_swapped_in_blocks += len(pairs)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            assert kv.allocate_slots(request, num_new), request
+            fits = kv.allocate_slots(request, num_new)  # swap_in left room for it
+            assert fits, request
             self._add_row(step, request, num_new)
 
     def _add_row(self, step: _Step, request: Request, num_new: int) -> None:

@@ -202,7 +202,7 @@ class ModelRunner:
         return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
 
     def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
-        return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in caches]
+        return self._scatter_blocks(caches, dst, self._gather_blocks(caches, src))
 
     def _gather_blocks(self, caches: list[KVCache], ids: jax.Array) -> list[KVCache]:
         return [(k[ids], v[ids]) for k, v in caches]  # [n, block_size, kv_heads, head_dim]
