@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jvllm.sampling_params import BeamSearchParams, SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
     "BeamSearchParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "BeamSearchOutput",

@@ -76,6 +76,10 @@ class LLM:
                 )
         for p in params:
             self.defaults.check_logprobs(p)
+        # Every grammar compiles in parallel before the first request enters.
+        specs = [p.structured_outputs for p in params if p.structured_outputs is not None]
+        for future in [self.engine.structured_outputs.compile(s) for s in specs]:
+            future.result()
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 

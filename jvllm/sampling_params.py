@@ -7,9 +7,11 @@ Checks that need the model (vocabulary size, context length) live in the engine.
 from __future__ import annotations
 
 import dataclasses
+import json as jsonlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -20,6 +22,56 @@ NUM_TOP_CANDIDATES = 32
 MAX_BEAM_WIDTH = 8
 # Greedy sampling is used below this temperature (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains a request's output to a JSON schema, any JSON object, a regex, one of
+    a list of strings, or a grammar (Lark, or GBNF as llama.cpp writes it): exactly
+    one of them (vLLM's `StructuredOutputsParams`)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar "
+                f"and json_object, got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (str or dict)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("StructuredOutputsParams.choice must be a list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("StructuredOutputsParams.json_object must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def cache_key(self) -> str:
+        """Equal for specs that compile to the same grammar."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | list | tuple):
+            value = jsonlib.dumps(value, sort_keys=True)
+        return f"{self.kind}:{value}"
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -44,6 +96,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits before sampling, by token id; -100 all but bans, +100 all but
+    # forces (OpenAI's range). The raw logprobs returned do not include it, as in vLLM.
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned wherever the output so far
+    # ends with the rest of it (with and without a leading space, as vLLM tokenizes it).
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +170,32 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        self._validate_biases(bad)
+
+    def _validate_biases(self, bad: Callable[[str, str], ValueError]) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                not _token_id(t) or not _finite(v) or not -100.0 <= v <= 100.0
+                for t, v in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", "a dict of token id -> bias in [-100, 100]")
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids or not all(map(_token_id, ids)):
+                raise bad("allowed_token_ids", "a non-empty list of token ids")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list | tuple) or any(
+                not isinstance(w, str) or not w.strip() for w in words
+            ):
+                raise bad("bad_words", "a list of non-blank strings")
+            self.bad_words = list(words) or None
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "StructuredOutputsParams or None")
 
 
 @dataclass(frozen=True)
@@ -150,6 +237,10 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _finite(value: object) -> bool:

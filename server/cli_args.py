@@ -13,6 +13,8 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S
+
 if TYPE_CHECKING:
     from .launch import ServerConfig
 
@@ -83,6 +85,13 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="characters and token ids of a prompt that a request log line shows (default: all)",
+    )
+    add(
+        "--grammar-compile-timeout",
+        type=float,
+        default=GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds a request's structured_outputs or response_format may take to compile "
+        "before it is refused with a 400 (default: %(default)s)",
     )
     add("--disable-log-stats", action=_BOOL, default=False, help="no periodic stats line")
     add(
@@ -157,6 +166,7 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         ssl_cert_reqs=args.ssl_cert_reqs,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         log_stats=not args.disable_log_stats,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         **optional,

@@ -21,7 +21,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S, AsyncLLM
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 
@@ -64,6 +64,7 @@ class ServerConfig:
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE
     log_requests: bool = False
     max_log_len: int | None = None
+    grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT_S
     log_stats: bool = True
     return_tokens_as_token_ids: bool = False
 
@@ -72,6 +73,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
+            )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_request_body_bytes < 1024:
@@ -161,7 +166,11 @@ def run_server(
             server.exit_after_engine_death()
 
     async_llm = AsyncLLM(
-        engine, max_queued_requests=config.max_queued_requests, observer=metrics, on_dead=on_dead
+        engine,
+        max_queued_requests=config.max_queued_requests,
+        observer=metrics,
+        on_dead=on_dead,
+        grammar_compile_timeout=config.grammar_compile_timeout,
     )
     metrics.attach(async_llm.metrics)
     names = list(config.served_model_names) or [model_path]

@@ -9,7 +9,7 @@ response bodies are in `responses.py`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,8 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_BAD_WORDS = 128
 MAX_MESSAGES = 512
 MAX_BODY_BYTES = 4 << 20
 
@@ -36,6 +38,42 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's extra-body `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(Strict):
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Request fields older vLLM versions took, refused by name with what replaced them.
+LEGACY_GUIDED = {
+    "guided_json": "structured_outputs.json (or response_format json_schema)",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": "nothing: llguidance compiles every constraint",
+    "guided_whitespace_pattern": "nothing: JSON is generated without free whitespace",
+}
 
 
 class SamplingRequest(Strict):
@@ -65,6 +103,16 @@ class SamplingRequest(Strict):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     # vLLM's beam search extras: n beams, Transformers' length penalty.
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
@@ -120,6 +168,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(Strict):

@@ -38,6 +38,7 @@ from .errors import APIError, from_validation_error
 from .protocol import SamplingRequest
 from .responses import Usage
 from .streaming import ClientDisconnected, final_outputs, until_disconnected
+from .structured import constraint_arguments
 
 logger = logging.getLogger("jvllm.server")
 M = TypeVar("M", bound=BaseModel)
@@ -194,11 +195,11 @@ def sampling_params(
 ) -> SamplingParams | BeamSearchParams:
     """SamplingParams from the shared request fields, the model's defaults filling those
     left unset (BeamSearchParams with `use_beam_search`); 400 names the bad field."""
+    constraints = constraint_arguments(req)
     if req.use_beam_search:
-        return beam_search_params(req, max_tokens, extra)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+        return beam_search_params(req, max_tokens, {**constraints, **extra})
     kwargs: dict[str, Any] = dict(
+        **constraints,
         n=req.n,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,

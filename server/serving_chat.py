@@ -51,6 +51,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     model = ctx.model_name(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    _refuse_tools(req)
     prompt = render_chat(ctx, req.messages, req.add_generation_prompt)
     explicit = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
     requested = req.max_completion_tokens or req.max_tokens
@@ -65,6 +66,14 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if outputs is None:
         return Response(status_code=499)  # nobody is listening
     return JSONResponse(view.full(outputs[0]).model_dump(mode="json"))
+
+
+def _refuse_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not served: a request that relies on it is refused, not ignored."""
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if req.tools:
+        raise APIError(400, "tools (tool calling) are not supported yet", param="tools")
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation: bool) -> Prompt:

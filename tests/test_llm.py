@@ -248,10 +248,10 @@ def test_no_compilations_after_warm_up(checkpoints):
     llm = make_llm(checkpoints["mistral"], max_num_seqs=8, max_num_batched_tokens=64)
     before = llm.get_metrics()["num_compilations"]
     # Warm-up compiled, per token bucket, a forward and a prompt-logprobs program; a
-    # sampler per row count; one block copy.
+    # sampler and a token-bitmask program per row count; one block copy.
     buckets = llm.engine.runner.token_buckets
     row_counts = {min(t, 8) for t in buckets}
-    assert before == 2 * len(buckets) + len(row_counts) + 1
+    assert before == 2 * len(buckets) + 2 * len(row_counts) + 1
     rng = np.random.default_rng(11)
     lengths = rng.integers(1, 200, size=200)
     params = [

@@ -28,11 +28,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from jvllm.engine.validation import InvalidRequestError
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jvllm.async_llm")
 
+# Seconds a request's grammar may take to compile before the request is refused.
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
 # Names passed to LatencyObserver.observe, one per latency histogram.
 QUEUE_TIME, TTFT, ITL, E2E = "queue_time", "time_to_first_token", "inter_token_latency", "e2e"
 
@@ -55,6 +58,9 @@ class Engine(Protocol):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    # compile(StructuredOutputsParams) -> concurrent.futures.Future, and shutdown(); any
+    # thread may call them.
+    structured_outputs: Any
 
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None
@@ -158,8 +164,10 @@ class AsyncLLM:
         max_queued_requests: int | None = None,
         observer: LatencyObserver | None = None,
         on_dead: Callable[[], None] | None = None,
+        grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
         self._engine = engine
+        self.grammar_compile_timeout = grammar_compile_timeout
         # The frontend tokenizes with its own copy: Rust tokenizers are not safe to
         # share with the thread that detokenizes every step.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -201,6 +209,9 @@ class AsyncLLM:
             raise QueueFullError(f"{self._num_queued} requests are already waiting")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        spec = getattr(params, "structured_outputs", None)
+        if spec is not None:
+            await self._compile(spec)
         stream = RequestStream(request_id, self._close_stream)
         self._streams[request_id] = stream
         self._num_queued += 1
@@ -214,6 +225,23 @@ class AsyncLLM:
             raise
         return stream
 
+    async def _compile(self, spec: Any) -> None:
+        """Compiles a grammar on the compiler's threads, so the engine thread finds it
+        ready; InvalidRequestError when it fails or takes over the time limit."""
+        future = self._engine.structured_outputs.compile(spec)
+        try:
+            # Shielded: a timed-out compile still finishes, for the cache, uncancelled.
+            waiting = asyncio.shield(asyncio.wrap_future(future))
+            await asyncio.wait_for(waiting, self.grammar_compile_timeout)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"structured_outputs.{spec.kind} took over {self.grammar_compile_timeout:g} s "
+                "to compile",
+                "structured_outputs",
+            ) from None
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
+
     def abort_all(self, reason: str) -> None:
         """Ends every in-flight request with RequestAbortedError(reason)."""
         for stream in list(self._streams.values()):
@@ -225,6 +253,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join, timeout)
+        self._engine.structured_outputs.shutdown()
 
     def _check_alive(self) -> None:
         if self._dead is not None:

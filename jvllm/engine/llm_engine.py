@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from jvllm.config import EngineConfig
 from jvllm.engine.beam_search import Beam, BeamGroup, Candidates, check_beam_search
 from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from jvllm.engine.sequence_group import SequenceGroup, SequenceState
+from jvllm.engine.sequence_group import Constraints, SequenceGroup, SequenceState
+from jvllm.engine.structured_output import GrammarCompiler, fill_bitmasks
+from jvllm.engine.token_constraints import BadWords, bitmask_width, pack_allowed
 from jvllm.engine.validation import validate_request
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams, SamplingRow
@@ -48,10 +52,17 @@ class StepRunner(Protocol):
     def dispatch(
         self,
         rows: Sequence[ScheduledRequest],
-        sampling_rows: Sequence[SamplingRow],
+        sampling_rows: Sequence[SamplingRow] | LateSampling,
         prompt_targets: Sequence[Sequence[int]] | None = None,
+        token_bitmask: np.ndarray | None = None,
     ) -> Any:
-        """Queues the step; the returned handle's `result()` waits for it."""
+        """Queues the step; the returned handle's `result()` waits for it. With a
+        `LateSampling`, the runner queues the forward first and calls it for the rows
+        and the bitmask (`i32[rows, W]`, or None) before queueing the sampler."""
+
+
+# Called once the forward is queued: the sampling rows and token bitmask of the step.
+LateSampling = Callable[[], tuple[Sequence[SamplingRow], "np.ndarray | None"]]
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,9 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # Thread-safe: the server compiles a request's grammar before it reaches us.
+        self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self._bitmask_width = bitmask_width(vocab_size)
 
     # -- requests in --
 
@@ -119,19 +133,38 @@ class LLMEngine:
             self._add_beam_search(request_id, text, ids, params, arrival)
             return
         validate_request(text, ids, params, self.vocab_size, self.max_model_len)
+        constraints = self._constraints(params)
         group = SequenceGroup(request_id, text, ids, params, arrival)
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
             source = group.child_ids[0] if index else None
             request = Request(child_id, ids, params, arrival, fork_source=source)
             seed = self._seed_for(params, index)
-            state = SequenceState(request, index, seed, self.tokenizer, request_id)
+            state = SequenceState(
+                request, index, seed, self.tokenizer, request_id, constraints(index)
+            )
             group.add(state)
             self._seqs[child_id] = state
         self._groups[request_id] = group
         for state in group.children:
             self.scheduler.add_request(state.request)
         self.prompt_tokens += len(ids)
+
+    def _constraints(self, params: SamplingParams) -> Callable[[int], Constraints | None]:
+        """Each sibling's Constraints (its own grammar matcher; the rest shared)."""
+        bad_words = allowed = compiled = None
+        if params.bad_words:
+            bad_words = BadWords.from_words(self.tokenizer, params.bad_words)
+        if params.allowed_token_ids:
+            allowed = pack_allowed(params.allowed_token_ids, self.vocab_size)
+        if params.structured_outputs is not None:
+            # Compiled already when the server or LLM asked first; waits otherwise.
+            compiled = self.structured_outputs.compile(params.structured_outputs).result()
+        if bad_words is None and allowed is None and compiled is None:
+            return lambda index: None
+        return lambda index: Constraints(
+            bad_words, allowed, compiled.matcher() if compiled is not None else None
+        )
 
     def _add_beam_search(
         self,
@@ -213,8 +246,14 @@ class LLMEngine:
             self.runner.swap_in(sched.blocks_to_swap_in)
         if sched.blocks_to_copy:
             self.runner.copy_blocks(sched.blocks_to_copy)
-        launched = self._launch(sched) if sched.scheduled else None
-        previous, self._in_flight = self._in_flight, launched
+        previous, self._in_flight = self._in_flight, None
+        launched = None
+        if sched.scheduled:
+            launched, committed = self._launch(sched, previous, final_only)
+            if committed is not None:  # the step needed the previous step's tokens
+                outputs += committed
+                previous = None
+        self._in_flight = launched
         if previous is not None:
             outputs += self._commit(previous, final_only)
         if launched is None:
@@ -224,13 +263,14 @@ class LLMEngine:
             outputs += self._commit(launched, final_only)
         return outputs
 
-    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+    def _launch(
+        self, sched: SchedulerOutput, previous: _InFlight | None, final_only: bool
+    ) -> tuple[_InFlight, list[RequestOutput] | None]:
+        """Dispatches the step. Where a row's bans or grammar need the token the previous
+        step sampled, the forward is queued first, then the previous step committed
+        (returned), then the sampler queued with what that token allows."""
         rows = sched.scheduled
         states = [self._seqs.get(row.request_id) or self._beams[row.request_id] for row in rows]
-        sampling_rows = [
-            s.sampling_row(self.eos_token_ids, row) if row.samples else _IDLE_ROW
-            for s, row in zip(states, rows, strict=True)
-        ]
         want_prompt = [s.wants_prompt_logprobs(row) for s, row in zip(states, rows, strict=True)]
         targets = None
         if any(want_prompt):
@@ -238,8 +278,47 @@ class LLMEngine:
                 s.prompt_targets(row) if want else [0] * len(row.token_ids)
                 for s, row, want in zip(states, rows, want_prompt, strict=True)
             ]
-        pending = self.runner.dispatch(rows, sampling_rows, targets)
-        return _InFlight(sched, states, want_prompt, pending)
+        if previous is not None and any(
+            row.prev_step_row is not None
+            and isinstance(s, SequenceState)
+            and s.constraints.needs_latest_token
+            for s, row in zip(states, rows, strict=True)
+        ):
+            committed: list[RequestOutput] = []
+
+            def late() -> tuple[list[SamplingRow], np.ndarray | None]:
+                committed.extend(self._commit(previous, final_only))
+                return self._sampling(states, rows)
+
+            pending = self.runner.dispatch(rows, late, targets)
+            return _InFlight(sched, states, want_prompt, pending), committed
+        sampling_rows, bitmask = self._sampling(states, rows)
+        pending = self.runner.dispatch(rows, sampling_rows, targets, bitmask)
+        return _InFlight(sched, states, want_prompt, pending), None
+
+    def _sampling(
+        self, states: Sequence[SequenceState | Beam], rows: Sequence[ScheduledRequest]
+    ) -> tuple[list[SamplingRow], np.ndarray | None]:
+        """The step's sampling rows, and its token bitmask where some row is masked."""
+        sampling_rows, masked = [], []
+        for i, (state, row) in enumerate(zip(states, rows, strict=True)):
+            if not row.samples or state.finished:  # finished: dropped at commit, unseen
+                sampling_rows.append(_IDLE_ROW)
+                continue
+            sampling_rows.append(state.sampling_row(self.eos_token_ids, row))
+            if isinstance(state, SequenceState) and state.constraints.masks:
+                masked.append(i)
+        if not masked:
+            return sampling_rows, None
+        bitmask = np.full((len(rows), self._bitmask_width), -1, np.int32)
+        constraints = [(i, states[i].constraints) for i in masked]  # type: ignore[union-attr]
+        grammars = [(c.grammar, i) for i, c in constraints if c.grammar is not None]
+        if grammars:
+            fill_bitmasks(self.structured_outputs.executor, grammars, bitmask)
+        for i, c in constraints:
+            if c.allowed_mask is not None:
+                bitmask[i] &= c.allowed_mask
+        return sampling_rows, bitmask
 
     def _commit(self, flight: _InFlight, final_only: bool) -> list[RequestOutput]:
         """Waits for a dispatched step and applies its tokens: stop checks, text, outputs."""
@@ -315,8 +394,11 @@ class LLMEngine:
         num_out = len(request.output_token_ids)
         stopped, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
         reason: tuple[RequestStatus, int | str | None] | None = None
+        grammar = state.constraints.grammar
         if state.matched_stop is not None:
             reason = (stopped, state.matched_stop)
+        elif grammar is not None and grammar.is_stopped:
+            reason = (stopped, token if token in params.stop_token_ids else None)
         elif num_out >= params.min_tokens and token in params.stop_token_ids:
             reason = (stopped, token)
         elif num_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:

@@ -16,13 +16,41 @@ import numpy as np
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest
+from jvllm.engine.structured_output import GrammarMatcher
+from jvllm.engine.token_constraints import BadWords
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import SamplingParams, SamplingRow
 
 
+@dataclass
+class Constraints:
+    """What limits a sequence's next token beyond its SamplingParams' scalars."""
+
+    bad_words: BadWords | None = None
+    allowed_mask: np.ndarray | None = None  # i32[W], token_constraints.pack_allowed
+    grammar: GrammarMatcher | None = None
+
+    @property
+    def needs_latest_token(self) -> bool:
+        """The next row's bans or mask depend on the token sampled last."""
+        return self.grammar is not None or (
+            self.bad_words is not None and self.bad_words.needs_history
+        )
+
+    @property
+    def masks(self) -> bool:
+        return self.grammar is not None or self.allowed_mask is not None
+
+
 class SequenceState:
     def __init__(
-        self, request: Request, index: int, seed: int, tokenizer: Any, group_id: str
+        self,
+        request: Request,
+        index: int,
+        seed: int,
+        tokenizer: Any,
+        group_id: str,
+        constraints: Constraints | None = None,
     ) -> None:
         params = request.sampling_params
         self.request = request
@@ -47,6 +75,7 @@ class SequenceState:
         # Set once, when the engine finishes the sequence; the scheduler gets the same.
         self.finished_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
+        self.constraints = constraints or Constraints()
 
     @property
     def finished(self) -> bool:
@@ -67,6 +96,13 @@ class SequenceState:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += sorted(eos_token_ids)
+        # Placeholders: this row's own sample, and the previous step's if uncommitted.
+        pending = row.prev_step_row is not None and r.num_output_placeholders > 1
+        bad_words = self.constraints.bad_words
+        if bad_words is not None:
+            # Multi-token words need the latest token: the engine commits it first.
+            assert not (pending and bad_words.needs_history), r
+            banned += bad_words.banned(r.output_token_ids)
         return SamplingRow(
             params,
             self.seed,
@@ -74,7 +110,7 @@ class SequenceState:
             r.prompt_token_ids,
             r.output_token_ids,
             banned,
-            pending_output=row.prev_step_row is not None,
+            pending_output=pending,
         )
 
     def add_token(self, result: Any, row: int) -> None:
@@ -88,6 +124,8 @@ class SequenceState:
             ids, lps = result.top_ids[row][:top], result.top_logprobs[row][:top]
             self.logprobs.append(self._position(token, logprob, ids, lps))
         self.matched_stop = self.detok.append(token)
+        if self.constraints.grammar is not None:
+            self.constraints.grammar.accept(token)
 
     def wants_prompt_logprobs(self, row: ScheduledRequest) -> bool:
         if self.prompt_logprobs is None:

@@ -60,3 +60,5 @@ def validate_request(
             code="context_length_exceeded",
         )
     check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
+    check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")

@@ -1,16 +1,19 @@
 """Sampler: turns one step's logits into token ids and logprobs, on device.
 
 Owns `SamplingMetadata` (the per-row sampling arrays, a pytree passed into the jitted
-step), `sample()` (penalties, greedy, temperature, min_p, top_k, top_p, seeded draws,
-raw logprobs) and `make_sampling_metadata()`, which packs host-side `SamplingParams`
-into padded numpy arrays.
+step), `sample()` (penalties, logit biases and bans, greedy, temperature, min_p, top_k,
+top_p, seeded draws, raw logprobs), `make_sampling_metadata()`, which packs host-side
+`SamplingParams` into padded numpy arrays, and `apply_token_bitmask()`, the packed
+allowed-token masks of structured outputs and `allowed_token_ids`.
 
 Does not own: resolving a request's seed (the engine), choosing the bucket sizes S and
 P (the runner), moving the arrays to the device (the runner), or slicing the top
 logprobs down to what each request asked for (the engine).
 
 Every sampling knob is an array, never a static argument: new temperatures or seeds
-reuse the compiled program; only the shapes S, V and P select one.
+reuse the compiled program; only the shapes S, V, P and F select one. Logit biases and
+bans of the whole batch share one flat list of F (row, token, value) entries, at least
+MIN_BIAS_ENTRIES long, so biases of any value, on any rows, reuse one program.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from jvllm.sampling_params import NUM_TOP_CANDIDATES, SAMPLING_EPS, SamplingRow
 Array = jax.Array | np.ndarray
 
 _U32_MAX = 2**32 - 1
+# The flat bias list is this long or a larger power of two: every step of a batch
+# whose rows bias or ban up to this many tokens in all runs the warmed-up program.
+MIN_BIAS_ENTRIES = 1024
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +54,10 @@ class SamplingMetadata:
     step_index: Array  # i32[S]; tokens the row's request has generated so far
     penalty_token_ids: Array  # i32[S, P]; prompt and output ids, -1 = padding
     penalty_is_output: Array  # bool[S, P]; True where the id is an output token
-    banned_token_ids: Array  # i32[S, B]; ids that may not be chosen, -1 = padding
+    # Flat [F] list of additive logit biases (-inf bans): row, token (-1 = padding), value.
+    bias_rows: Array  # i32[F]
+    bias_token_ids: Array  # i32[F]
+    bias_values: Array  # f32[F]
     want_logprobs: Array  # bool[S]; the row's request asked for logprobs
     # bool[S]; the row's last input token is an output the host has not seen yet (it is
     # still on the device): penalties count it on top of penalty_token_ids.
@@ -74,7 +83,7 @@ def sample(
     logits = logits.astype(jnp.float32)  # [S, V]
     if last_input is None:
         last_input = jnp.zeros(logits.shape[0], jnp.int32)
-    penalised = _ban(apply_penalties(logits, md, last_input), md.banned_token_ids)  # [S, V]
+    penalised = _bias(apply_penalties(logits, md, last_input), md)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = jnp.argmax(penalised, axis=-1).astype(jnp.int32)  # [S]
 
@@ -117,14 +126,22 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata, last_input: jax.Arr
     return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, ids, is_output)
 
 
-def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
-    """Sets banned ids to -inf (min_tokens holds back EOS and stop ids)."""
-    if banned.shape[-1] == 0:  # static: no row in this bucket bans anything
-        return logits
+def _bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Adds each bias entry to its row's logit (logit_bias; -inf for bad words and the
+    EOS and stop ids min_tokens holds back). A scatter of F entries, no pass over [S, V]."""
+    vocab = logits.shape[-1]
+    ids = jnp.where(md.bias_token_ids >= 0, md.bias_token_ids, vocab)  # padding -> V, dropped
+    return logits.at[md.bias_rows, ids].add(md.bias_values, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Sets to -inf every token whose bit is 0 in its row of `bitmask` `i32[S, ceil(V/32)]`
+    (bit j of word w is token 32 w + j; -1 everywhere allows all)."""
     num_rows, vocab = logits.shape
-    ids = jnp.where(banned >= 0, banned, vocab)  # padding -> V, dropped
-    rows = jnp.arange(num_rows)[:, None]
-    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+    bits = jnp.arange(32, dtype=jnp.int32)  # [32]
+    allowed = (bitmask[:, :, None] >> bits) & 1  # [S, W, 32]
+    allowed = allowed.reshape(num_rows, -1)[:, :vocab]  # [S, V]
+    return jnp.where(allowed.astype(bool), logits, -jnp.inf)
 
 
 def _penalise(
@@ -217,19 +234,24 @@ def _penalty_entries(row: SamplingRow) -> tuple[list[int], list[bool]]:
     return prompt_only + outputs, [False] * len(prompt_only) + [True] * len(outputs)
 
 
-def banned_width_needed(rows: Sequence[SamplingRow]) -> int:
-    """The B that `make_sampling_metadata` needs for these rows; 0 when none bans."""
-    return max((len(row.banned_token_ids) for row in rows), default=0)
+def bias_entries_needed(rows: Sequence[SamplingRow]) -> int:
+    """The entries the rows' logit biases and bans fill in the flat bias list."""
+    return sum(len(r.banned_token_ids) + len(r.params.logit_bias or ()) for r in rows)
 
 
 def make_sampling_metadata(
-    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int, banned_width: int = 0
+    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int
 ) -> SamplingMetadata:
-    """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised."""
+    """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised.
+
+    The bias list is MIN_BIAS_ENTRIES long, or the next power of two that holds them all."""
     if len(rows) > num_rows:
         raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
     if penalty_width < 0:
         raise ValueError(f"penalty_width must be >= 0, got {penalty_width}")
+    biased = [i for i, r in enumerate(rows) if r.banned_token_ids or r.params.logit_bias]
+    needed = bias_entries_needed([rows[i] for i in biased])
+    num_bias = max(MIN_BIAS_ENTRIES, 1 << max(needed - 1, 0).bit_length())
     md = SamplingMetadata(
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
@@ -242,14 +264,17 @@ def make_sampling_metadata(
         step_index=np.zeros(num_rows, np.int32),
         penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
         penalty_is_output=np.zeros((num_rows, penalty_width), bool),
-        banned_token_ids=np.full((num_rows, banned_width), -1, np.int32),
+        bias_rows=np.zeros(num_bias, np.int32),
+        bias_token_ids=np.full(num_bias, -1, np.int32),
+        bias_values=np.zeros(num_bias, np.float32),
         want_logprobs=np.zeros(num_rows, bool),
         pending_output=np.zeros(num_rows, bool),
     )
     _fill_scalars(md, rows)
+    _fill_biases(md, rows, biased)
     for i, row in enumerate(rows):
-        if row.banned_token_ids or row.params.uses_penalties:
-            _fill_row_lists(md, i, row)
+        if row.params.uses_penalties:
+            _fill_penalty_history(md, i, row)
     return md
 
 
@@ -278,14 +303,23 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     md.pending_output[:n] = [r.pending_output for r in rows]
 
 
-def _fill_row_lists(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
-    """Row i's banned ids and penalty history into md's (still private) numpy buffers."""
-    banned = list(row.banned_token_ids)
-    if len(banned) > md.banned_token_ids.shape[1]:
-        raise ValueError(f"row {i} bans {len(banned)} ids; size banned_width for it")
-    md.banned_token_ids[i, : len(banned)] = banned
-    if not row.params.uses_penalties:
-        return
+def _fill_biases(md: SamplingMetadata, rows: Sequence[SamplingRow], biased: list[int]) -> None:
+    """The biased rows' logit_bias entries, then their bans (-inf), into the flat list."""
+    at = 0
+    for i in biased:
+        row = rows[i]
+        bias = row.params.logit_bias or {}
+        ids = [*bias, *row.banned_token_ids]
+        end = at + len(ids)
+        md.bias_rows[at:end] = i
+        md.bias_token_ids[at:end] = ids
+        md.bias_values[at : at + len(bias)] = list(bias.values())
+        md.bias_values[at + len(bias) : end] = -np.inf
+        at = end
+
+
+def _fill_penalty_history(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
+    """Row i's penalty history into md's (still private) numpy buffers."""
     ids, is_output = _penalty_entries(row)
     width = md.penalty_token_ids.shape[1]
     if len(ids) > width:

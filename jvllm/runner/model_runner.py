@@ -21,7 +21,7 @@ to `min(T, max_num_seqs)`, so one forward program exists per T bucket.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,11 +47,11 @@ from jvllm.runner.input_batch import (
 )
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# Called once the forward is queued: the sampling rows and the token bitmask (or None).
+LateSampling = Callable[[], tuple[Sequence[SamplingRow], np.ndarray | None]]
+
 MIN_TOKEN_BUCKET = 16
 MIN_PENALTY_BUCKET = 64
-# min_tokens ban lists (EOS and stop ids) are always this wide or wider, so the width
-# compiled at warm-up covers every request with up to 8 such ids: none recompiles.
-MIN_BAN_BUCKET = 8
 # Block counts one swap copy program handles (padded up; larger swaps are chunked).
 SWAP_BUCKETS = (8, 32, 128)
 
@@ -138,6 +138,7 @@ class ModelRunner:
             self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
         self._sample_fn = jax.jit(self._sample)
+        self._mask_fn = jax.jit(self._apply_bitmask)
         self._all_logprobs_fn = jax.jit(self._all_logprobs)
         self._copy_fn = jax.jit(self._copy_blocks, donate_argnames=("caches",))
         self.host_caches = self._allocate_host_cache(num_host_blocks)
@@ -152,6 +153,7 @@ class ModelRunner:
         jitted = (
             self._forward_fn,
             self._sample_fn,
+            self._mask_fn,
             self._all_logprobs_fn,
             self._copy_fn,
             self._gather_fn,
@@ -187,6 +189,10 @@ class ModelRunner:
         if self.mesh is not None:  # placed as the forward expects it: no second program
             padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
         return out, padded  # padded [R]: the next step's placeholders read it
+
+    def _apply_bitmask(self, logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+        # A method, as every program here: each runner counts its own compilations.
+        return sampler.apply_token_bitmask(logits, bitmask)
 
     def _all_logprobs(
         self, params: Any, hidden: jax.Array, targets: jax.Array
@@ -316,19 +322,27 @@ class ModelRunner:
     def dispatch(
         self,
         rows: Sequence[StepRow],
-        sampling_rows: Sequence[SamplingRow],
+        sampling_rows: Sequence[SamplingRow] | LateSampling,
         prompt_targets: Sequence[Sequence[int]] | None = None,
+        token_bitmask: np.ndarray | None = None,
     ) -> PendingStep:
         """Queues one engine step (forward, then sampling of every row) on the device and
         returns without waiting for it. `prompt_targets`, per row and new token, names
-        the next prompt token to score (prompt logprobs); any id where none is wanted."""
-        assert len(rows) == len(sampling_rows)
+        the next prompt token to score (prompt logprobs); any id where none is wanted.
+        `token_bitmask` `i32[len(rows), ceil(V/32)]` masks the rows' allowed tokens. A
+        callable `sampling_rows` is called once the forward is queued, for the sampling
+        rows and the bitmask (host work that overlaps the forward)."""
         logits, hidden, last_input, shape = self._run_forward(rows)
+        if callable(sampling_rows):
+            sampling_rows, token_bitmask = sampling_rows()
+        assert len(rows) == len(sampling_rows)
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
-        banned = sampler.banned_width_needed(sampling_rows)
-        banned = max(MIN_BAN_BUCKET, 1 << max(banned - 1, 0).bit_length())  # power of two
-        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width, banned)
+        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width)
+        if token_bitmask is not None:
+            padded = np.full((shape.num_seqs, token_bitmask.shape[1]), -1, np.int32)
+            padded[: len(token_bitmask)] = token_bitmask
+            logits = self._mask_fn(logits, self._put(padded))
         out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
         scored = None
         if prompt_targets is not None:
@@ -362,14 +376,17 @@ class ModelRunner:
         return split_by_row(every, [len(r.token_ids) for r in rows])
 
     def warm_up(self) -> None:
-        """Compiles every program serving can need (penalised sampling, and ban lists
-        longer than MIN_BAN_BUCKET, aside)."""
+        """Compiles every program serving can need (penalised sampling, and more than
+        MIN_BIAS_ENTRIES biased or banned tokens in one step, aside)."""
         greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
+        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
         for t in self.token_buckets:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
-            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0, MIN_BAN_BUCKET)
+            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
             jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
+            mask = self._put(np.full((shape.num_seqs, words), -1, np.int32))
+            jax.block_until_ready(self._mask_fn(logits, mask))
             targets = self._put(np.zeros(shape.num_tokens, np.int32))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
         self.copy_blocks([(0, 0)])

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from jvllm.layers.sampler import (
+    MIN_BIAS_ENTRIES,
     SamplerOutput,
     SamplingMetadata,
     SamplingRow,
     apply_penalties,
-    banned_width_needed,
+    apply_token_bitmask,
     filter_logits,
     make_sampling_metadata,
     penalty_width_needed,
@@ -379,13 +380,64 @@ def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
         SamplingRow(SamplingParams(temperature=1.0), 5, 0, (), (), [int(top[1]), 3]),
         _row(temperature=0.0),
     ]
-    md = make_sampling_metadata(rows, 4, 0, banned_width_needed(rows))
+    md = make_sampling_metadata(rows, 4, 0)
     out = sample_jit(np.pad(logits, ((0, 1), (0, 0))), md)
     assert out.token_ids[0] == np.argsort(-logits[0])[1]  # the runner-up
     assert out.token_ids[1] not in (top[1], 3) and out.token_ids[2] == top[2]
     assert out.top_ids[0, 0] == top[0]  # logprobs stay those of the raw logits
-    with pytest.raises(ValueError, match="bans 2 ids"):
-        make_sampling_metadata(rows, 4, 0, 1)
+
+
+def test_logit_bias_adds_to_the_logits_it_names_and_nothing_else() -> None:
+    logits = _logits(3, 40, seed=4)
+    bias = {5: 3.5, 17: -2.0, 39: 100.0}
+    rows = [
+        _row(temperature=0.0, logprobs=1, logit_bias=bias),
+        _row(temperature=0.0),
+        _row(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
+    ]
+    md = make_sampling_metadata(rows, 3, 0)
+    assert md.bias_token_ids.shape == (MIN_BIAS_ENTRIES,)  # one width for every step
+    out = sample_jit(logits, md)
+    want = logits.copy()
+    for token, value in bias.items():
+        want[0, token] += value
+    want[2, logits[2].argmax()] -= 100.0
+    np.testing.assert_array_equal(np.asarray(out.token_ids), want.argmax(-1))
+    assert out.token_ids[0] == 39 and out.token_ids[1] == logits[1].argmax()
+    np.testing.assert_allclose(  # raw logprobs: the bias is not in them (vLLM's default)
+        np.asarray(out.logprobs)[0], torch.log_softmax(torch.tensor(logits[0]), -1)[39], rtol=1e-5
+    )
+
+
+def test_bias_list_grows_past_its_minimum_in_powers_of_two() -> None:
+    wide = {t: 1.0 for t in range(300)}
+    rows = [_row(logit_bias=wide) for _ in range(4)]  # 1200 entries
+    md = make_sampling_metadata(rows, 4, 0)
+    assert md.bias_token_ids.shape == (2048,)
+    assert (md.bias_rows[:1200] == np.repeat(np.arange(4), 300)).all()
+    logits = _logits(4, 400, seed=1)
+    got = np.asarray(
+        sample_jit(logits, dataclasses.replace(md, temperature=np.zeros(4, np.float32))).token_ids
+    )
+    want = logits.copy()
+    want[:, :300] += 1.0
+    np.testing.assert_array_equal(got, want.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [31, 32, 33, 100])
+def test_token_bitmask_keeps_exactly_the_set_bits(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    allowed = rng.random((3, vocab)) < 0.3
+    allowed[:, 0] = True
+    words = -(-vocab // 32)
+    bits = np.zeros((3, words * 32), bool)
+    bits[:, :vocab] = allowed
+    bitmask = np.packbits(bits, axis=1, bitorder="little").view("<i4").astype(np.int32)
+    logits = _logits(3, vocab, seed=vocab)
+    got = np.asarray(jax.jit(apply_token_bitmask)(logits, bitmask))
+    np.testing.assert_array_equal(got, np.where(allowed, logits, -np.inf))
+    everything = np.full((3, words), -1, np.int32)
+    np.testing.assert_array_equal(np.asarray(apply_token_bitmask(logits, everything)), logits)
 
 
 def test_no_logprobs_requested_skips_them_without_changing_tokens() -> None:

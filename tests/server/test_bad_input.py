@@ -133,7 +133,8 @@ def test_bad_input_gets_4xx_envelope(server, path, body, status):
         (cmpl(prompt=[1, 100000]), "prompt", "invalid_value"),
         (cmpl(prompt="hello " * 400), "prompt", "context_length_exceeded"),
         (cmpl(stop_token_ids=[100000]), "stop_token_ids", "invalid_value"),
-        (cmpl(logit_bias={"1": 1.0}), "logit_bias", None),
+        (cmpl(logit_bias={"999999": 1.0}), "logit_bias", "invalid_value"),
+        (cmpl(allowed_token_ids=[999999]), "allowed_token_ids", "invalid_value"),
     ],
 )
 def test_engine_validation_names_the_param(server, body, param, code):
