@@ -136,10 +136,16 @@ class NoDeviceRunner:
         pass
 
     def dispatch(
-        self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False
+        self,
+        rows: Sequence[Any],
+        sampling_rows: Sequence[Any] | Callable[[], Any],
+        want: Any = None,
+        token_bitmask: Any = None,
     ) -> Any:
         shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
         pack_rows(rows, shape, self.setup.args.block_size)
+        if callable(sampling_rows):  # a LateSampling: the engine's rows and bitmask
+            sampling_rows, _ = sampling_rows()
         make_sampling_metadata(sampling_rows, shape.num_seqs, 0)
         n, start = len(rows), (self.calls * 7919) % (len(self.setup.sampled) - len(rows))
         self.calls += 1

@@ -188,10 +188,12 @@ class StepProbe:
         return getattr(self.runner, name)
 
     def dispatch(
-        self, rows: Sequence[Any], sampling_rows: Sequence[Any], want: bool = False
+        self, rows: Sequence[Any], sampling_rows: Any, want: Any = None, token_bitmask: Any = None
     ) -> Any:
         t0 = time.perf_counter()
-        pending = _TimedPending(self.runner.dispatch(rows, sampling_rows, want), self)
+        pending = _TimedPending(
+            self.runner.dispatch(rows, sampling_rows, want, token_bitmask), self
+        )
         tokens = sum(len(r.token_ids) for r in rows)
         self.step.update(
             execute_s=time.perf_counter() - t0,
