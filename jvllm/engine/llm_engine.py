@@ -113,6 +113,10 @@ class LLMEngine:
         # Thread-safe: the server compiles a request's grammar before it reaches us.
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._bitmask_width = bitmask_width(vocab_size)
+        # Live sequences with a token mask, and those whose next row needs the token
+        # just sampled (a grammar, multi-token bad words): most steps have neither.
+        self._masked: set[str] = set()
+        self._late: set[str] = set()
 
     # -- requests in --
 
@@ -145,6 +149,10 @@ class LLMEngine:
             )
             group.add(state)
             self._seqs[child_id] = state
+            if state.constraints.masks:
+                self._masked.add(child_id)
+            if state.constraints.needs_latest_token:
+                self._late.add(child_id)
         self._groups[request_id] = group
         for state in group.children:
             self.scheduler.add_request(state.request)
@@ -278,11 +286,10 @@ class LLMEngine:
                 s.prompt_targets(row) if want else [0] * len(row.token_ids)
                 for s, row, want in zip(states, rows, want_prompt, strict=True)
             ]
-        if previous is not None and any(
-            row.prev_step_row is not None
-            and isinstance(s, SequenceState)
-            and s.constraints.needs_latest_token
-            for s, row in zip(states, rows, strict=True)
+        if (
+            previous is not None
+            and self._late
+            and any(r.prev_step_row is not None and r.request_id in self._late for r in rows)
         ):
             committed: list[RequestOutput] = []
 
@@ -306,7 +313,7 @@ class LLMEngine:
                 sampling_rows.append(_IDLE_ROW)
                 continue
             sampling_rows.append(state.sampling_row(self.eos_token_ids, row))
-            if isinstance(state, SequenceState) and state.constraints.masks:
+            if self._masked and row.request_id in self._masked:
                 masked.append(i)
         if not masked:
             return sampling_rows, None
@@ -421,6 +428,8 @@ class LLMEngine:
         del self._groups[group.request_id]
         for child_id in group.child_ids:
             self._seqs.pop(child_id, None)
+            self._masked.discard(child_id)
+            self._late.discard(child_id)
         return group.output()
 
     # -- metrics --

@@ -22,6 +22,7 @@ from jvllm.engine.async_llm import (
     QueueFullError,
     RequestAbortedError,
 )
+from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import SamplingParams
 
@@ -45,6 +46,8 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self._tickets = threading.Semaphore(0)
         self._paced = paced
+        # The real compiler (no request here is constrained): AsyncLLM shuts it down.
+        self.structured_outputs = GrammarCompiler(self.tokenizer, self.vocab_size, [0])
 
     def allow(self, steps: int = 1) -> None:
         self._tickets.release(steps)
