@@ -93,6 +93,17 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a request's structured_outputs or response_format may take to compile "
         "before it is refused with a 400 (default: %(default)s)",
     )
+    add(
+        "--enable-auto-tool-choice",
+        action=_BOOL,
+        default=False,
+        help='serve tool_choice "auto", parsing calls from the output (needs --tool-call-parser)',
+    )
+    add(
+        "--tool-call-parser",
+        default=None,
+        help="how calls are read from free output: hermes (<tool_call>{...}</tool_call>)",
+    )
     add("--disable-log-stats", action=_BOOL, default=False, help="no periodic stats line")
     add(
         "--return-tokens-as-token-ids",
@@ -167,6 +178,8 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         max_log_len=args.max_log_len,
         grammar_compile_timeout=args.grammar_compile_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         log_stats=not args.disable_log_stats,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         **optional,

@@ -31,6 +31,7 @@ from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
 from .serving import ServingContext
 from .stats_logger import StatsLogger, stats_interval
+from .tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("jvllm.server")
 
@@ -67,12 +68,21 @@ class ServerConfig:
     grammar_compile_timeout: float = GRAMMAR_COMPILE_TIMEOUT_S
     log_stats: bool = True
     return_tokens_as_token_ids: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got "
+                f"{self.tool_call_parser!r}"
+            )
         if not self.grammar_compile_timeout > 0:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
@@ -186,6 +196,7 @@ def run_server(
         log_requests=config.log_requests,
         max_log_len=config.max_log_len,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
     )
     state = ServerState()
     stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None

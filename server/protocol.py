@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 MAX_ALLOWED_TOKEN_IDS = 1 << 17
 MAX_BAD_WORDS = 128
+MAX_TOOLS = 128
 MAX_MESSAGES = 512
 MAX_BODY_BYTES = 4 << 20
 
@@ -147,17 +148,53 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCallIn(Strict):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallIn(Strict):
+    """A call an assistant message made, sent back in a later request."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
         None, description="A string or a list of text parts"
     )
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -168,8 +205,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(Strict):

@@ -70,6 +70,7 @@ class ServingContext:
     log_requests: bool = False
     max_log_len: int | None = None  # prompt characters and ids a request log line shows
     return_tokens_as_token_ids: bool = False
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: "auto" works
 
     @property
     def tokenizer(self) -> Any:

@@ -8,8 +8,10 @@ content deltas, a finish per choice, optional usage, then `[DONE]`.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,8 +30,12 @@ from .responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     json_logprob,
 )
@@ -44,6 +50,7 @@ from .serving import (
     usage,
 )
 from .streaming import DONE, EventStreamResponse, merge_streams, sse
+from .tools import ToolCallReader, tool_choice_mode, tool_constraint
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -51,15 +58,20 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     model = ctx.model_name(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    _refuse_tools(req)
-    prompt = render_chat(ctx, req.messages, req.add_generation_prompt)
+    mode = tool_choice_mode(req, ctx.tool_call_parser)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    prompt = render_chat(ctx, req.messages, req.add_generation_prompt, tools or None)
     explicit = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
     requested = req.max_completion_tokens or req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = ctx.max_tokens_for(prompt, requested, bool(explicit))
-    params = sampling_params(req, max_tokens, ctx.defaults, logprobs=top)
+    extra: dict[str, Any] = {"logprobs": top}
+    constraint = tool_constraint(req, mode)
+    if constraint is not None:
+        extra["structured_outputs"] = constraint
+    params = sampling_params(req, max_tokens, ctx.defaults, **extra)
     streams = await ctx.submit("chatcmpl", [prompt], [params])
-    view = _ChatView(ctx, req, model, params)
+    view = _ChatView(ctx, req, model, params, mode)
     if req.stream:
         return EventStreamResponse(view.stream(streams[0]))
     outputs = await collect(request, streams)
@@ -68,15 +80,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     return JSONResponse(view.full(outputs[0]).model_dump(mode="json"))
 
 
-def _refuse_tools(req: ChatCompletionRequest) -> None:
-    """Tool calling is not served: a request that relies on it is refused, not ignored."""
-    if req.tool_choice not in (None, "none") and not req.tools:
-        raise APIError(400, "tool_choice needs tools", param="tool_choice")
-    if req.tools:
-        raise APIError(400, "tools (tool calling) are not supported yet", param="tools")
-
-
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation: bool) -> Prompt:
+def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> Prompt:
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
     tokenizer = ctx.tokenizer
@@ -86,10 +95,11 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
             "this model's tokenizer has no chat template; start the server with --chat-template",
             param="messages",
         )
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [_template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation,
             chat_template=ctx.chat_template,
@@ -101,13 +111,57 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: tool calls with their arguments as objects
+    (as Transformers' templates expect, and vLLM passes them)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _object(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 class _ChatView:
     def __init__(
-        self, ctx: ServingContext, req: ChatCompletionRequest, model: str, params: SamplingParams
+        self,
+        ctx: ServingContext,
+        req: ChatCompletionRequest,
+        model: str,
+        params: SamplingParams,
+        mode: str = "none",
     ) -> None:
         self.ctx, self.req, self.model, self.params = ctx, req, model, params
+        self.mode = mode
+        named = req.tool_choice if mode == "named" else None
+        self.function = named.function.name if named is not None else None  # type: ignore[union-attr]
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = now()
+
+    def _reader(self) -> ToolCallReader:
+        return ToolCallReader(self.mode, self.function)
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" where the model chose to call (auto, required)."""
+        if reason == "stop" and called and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     def _logprobs(self, c: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -127,16 +181,26 @@ class _ChatView:
         return ChatLogprobs(content=content)
 
     def full(self, out: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(role=self.ctx.response_role, content=c.text),
-                logprobs=self._logprobs(c, 0, len(c.token_ids)),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            content, calls = self._reader().parse_all(c.text)
+            message = AssistantMessage(
+                role=self.ctx.response_role,
+                content=content,
+                tool_calls=[
+                    ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                    for t in calls
+                ],
             )
-            for c in out.outputs
-        ]
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c, 0, len(c.token_ids)),
+                    finish_reason=self._finish_reason(c.finish_reason, bool(calls)),
+                    stop_reason=c.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage([out])
         )
@@ -149,6 +213,7 @@ class _ChatView:
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[bytes]:
         cursors = [ChoiceCursor.for_params(self.params) for _ in range(self.req.n)]
+        readers = [self._reader() for _ in range(self.req.n)]
         last = None
         try:
             for i in range(self.req.n):
@@ -160,11 +225,13 @@ class _ChatView:
                     delta = cursors[c.index].advance(c)
                     if delta is None or ChoiceCursor.is_empty(delta, self.req.logprobs):
                         continue
+                    message = _tool_delta(readers[c.index], delta.text, delta.finish_reason)
+                    finish = self._finish_reason(delta.finish_reason, bool(readers[c.index].calls))
                     choice = ChatChunkChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                        delta=message,
                         logprobs=self._logprobs(c, delta.token_start, delta.token_end),
-                        finish_reason=delta.finish_reason,
+                        finish_reason=finish,
                         stop_reason=delta.stop_reason,
                     )
                     yield self._chunk([choice])
@@ -179,6 +246,29 @@ class _ChatView:
     def _top(self, token_id: int, lp: Logprob) -> TopLogprob:
         text = self.ctx.token_text(token_id, lp.decoded_token or "")
         return TopLogprob(token=text, logprob=json_logprob(lp.logprob), bytes=list(text.encode()))
+
+
+def _tool_delta(reader: ToolCallReader, text: str, finish_reason: str | None) -> DeltaMessage:
+    """The content and tool-call deltas of a choice's new text."""
+    content, calls, arguments = reader.feed(text)
+    if finish_reason is not None:
+        rest, more = reader.finish()
+        content, calls = content + rest, calls + more
+    deltas = []
+    if reader.mode == "named":
+        for call in calls:  # the first delta: id and name
+            function = DeltaFunctionCall(name=call.name, arguments="")
+            deltas.append(DeltaToolCall(index=0, id=call.id, type="function", function=function))
+        if arguments:
+            deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=arguments)))
+    else:
+        first = len(reader.calls) - len(calls)
+        for k, call in enumerate(calls):
+            function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+            deltas.append(
+                DeltaToolCall(index=first + k, id=call.id, type="function", function=function)
+            )
+    return DeltaMessage(content=content or None, tool_calls=deltas or None)
 
 
 def _rank(item: tuple[int, Logprob]) -> int:

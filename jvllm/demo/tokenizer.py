@@ -14,9 +14,20 @@ from jvllm.demo.corpus import PROMPTS
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLES = ("system", "user", "assistant")
-# Llama-style: BOS once, then each turn as `<|role|>` newline content EOS newline.
+# Llama-style: BOS once, then each turn as `<|role|>` newline content EOS newline. With
+# tools, a system turn lists them Hermes-style first, and an assistant turn's calls are
+# `<tool_call>` blocks before its content (the demo model was not trained on either).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n"
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\n\nYou may call one or more "
+    "functions. Their signatures are within <tools></tools>:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\nFor each call, answer "
+    'with <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call></s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": "
+    "{{ c['function']['name'] | tojson }}, \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>\n{% endfor %}"
+    "{{ m['content'] if m['content'] is not none else '' }}</s>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -162,7 +162,12 @@ def test_logit_bias_forces_and_allowed_token_ids_hold(env) -> None:
         (C, {"allowed_token_ids": [999999]}, "allowed_token_ids", "vocabulary"),
         (C, {"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
         (H, {"tool_choice": "required"}, "tool_choice", "needs tools"),
-        (H, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+        (
+            H,
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+            "--enable-auto-tool-choice",
+        ),
         (C, {"structured_outputs": {"json": HUGE_SCHEMA}}, "structured_outputs", "to compile"),
     ],
 )
