@@ -63,6 +63,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default="recompute",
         help="what the continuous engine's preemption does (swap: host memory)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=("int8", "fp8"),
+        help="the continuous engine's linear weights quantized at load",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--compilation-cache-dir", type=Path, help="enable JAX's persistent cache")
@@ -124,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         block_size=args.block_size,
     )
     runs["continuous"] = _engine_run(
-        **engine, policy="continuous", preemption_mode=args.preemption_mode
+        **engine,
+        policy="continuous",
+        preemption_mode=args.preemption_mode,
+        quantization=args.quantization,
     )
     if not args.skip_static:
         blocks = runs["continuous"]["num_kv_blocks"]  # the same KV memory, whatever sized it
@@ -364,6 +372,7 @@ def _engine_run(
     policy: str,
     num_blocks: int | None = None,
     preemption_mode: str = "recompute",
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     from jvllm import LLM
 
@@ -379,11 +388,18 @@ def _engine_run(
         num_gpu_blocks_override=num_blocks or preset.num_kv_blocks,
         scheduling_policy=policy,
         preemption_mode=preemption_mode if policy == "continuous" else "recompute",
+        quantization=quantization,
     )
     start_s = time.perf_counter() - started
     common.log(f"jvllm {policy}: started in {start_s:.1f} s; running {len(requests)} requests ...")
     run = run_engine(llm.engine, requests, flops)
-    run.update(policy=policy, start_s=start_s, num_kv_blocks=llm.engine.runner.num_blocks)
+    run.update(
+        policy=policy,
+        start_s=start_s,
+        num_kv_blocks=llm.engine.runner.num_blocks,
+        quantization=quantization,
+        weight_bytes=llm.engine.runner.model.weight_bytes,
+    )
     metrics = llm.get_metrics()
     moved = metrics["num_swapped_out_blocks"] + metrics["num_swapped_in_blocks"]
     spec = llm.engine.runner.spec

@@ -38,6 +38,8 @@ _CHOICES = {
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "weight and activation dtype; auto keeps the checkpoint's",
+    "quantization": "quantize the linear weights at load, per output channel: int8 or fp8 "
+    "(float8 e4m3); embeddings, lm_head and norms keep the dtype",
     "seed": "engine seed for requests that set none",
     "block_size": "tokens per KV-cache block",
     "max_model_len": "longest sequence, prompt plus output (default: the model's)",
@@ -71,6 +73,7 @@ _HELP = {
 _GROUPS = {
     "tokenizer": "ModelConfig",
     "dtype": "ModelConfig",
+    "quantization": "ModelConfig",
     "seed": "ModelConfig",
     "max_model_len": "ModelConfig",
     "attention_backend": "ModelConfig",

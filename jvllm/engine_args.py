@@ -40,6 +40,7 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # "int8" | "fp8": linear weights quantized at load
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None
@@ -86,7 +87,12 @@ class EngineArgs:
             make_mesh(parallel.tensor_parallel_size) if parallel.tensor_parallel_size > 1 else None
         )
         backend = _resolve_backend(self.attention_backend)
-        loaded = load_model(self.model, self.dtype, backend, mesh)
+        loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization)
+        logger.info(
+            "Model weights: %.1f MiB (quantization: %s)",
+            loaded.weight_bytes / 2**20,
+            self.quantization or "none",
+        )
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
+from jvllm.models.quantization import storage_dtype
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import AXIS, CACHE, HEADS
 
@@ -27,16 +28,23 @@ _init = nn.initializers.normal(0.02)
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b) with W stored `[out, in]` as in the checkpoint."""
+    """y = x @ W.T (+ b) with W stored `[out, in]` as in the checkpoint; with
+    `quantization`, W is int8 or float8 with float32 `weight_scale` per output channel."""
 
     features: int
     use_bias: bool
     dtype: jnp.dtype
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("weight", _init, (self.features, x.shape[-1]), self.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w)
+        shape = (self.features, x.shape[-1])
+        if self.quantization is None:
+            y = jnp.einsum("...i,oi->...o", x, self.param("weight", _init, shape, self.dtype))
+        else:
+            q = self.param("weight", nn.initializers.zeros, shape, storage_dtype(self.quantization))
+            scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
+            y = jnp.einsum("...i,oi->...o", x, q.astype(self.dtype)) * scale.astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -70,9 +78,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         s, t = self.spec, x.shape[0]
-        q = Linear(s.num_heads * s.head_dim, s.qkv_bias, self.dtype, name="q_proj")(x)
-        k = Linear(s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, name="k_proj")(x)
-        v = Linear(s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, name="v_proj")(x)
+        q = Linear(s.num_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="q_proj")(
+            x
+        )
+        k = Linear(
+            s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="k_proj"
+        )(x)
+        v = Linear(
+            s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="v_proj"
+        )(x)
         q = q.reshape(t, s.num_heads, s.head_dim)  # [T, Hq, D]
         k = k.reshape(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
@@ -97,7 +111,9 @@ class Attention(nn.Module):
                 check_vma=False,
             )
         out, cache = attend(q, k, v, cache, meta)
-        out = Linear(s.hidden_size, s.o_bias, self.dtype, name="o_proj")(out.reshape(t, -1))
+        out = Linear(s.hidden_size, s.o_bias, self.dtype, s.quantization, name="o_proj")(
+            out.reshape(t, -1)
+        )
         return out, cache
 
 
@@ -108,9 +124,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
-        gate = Linear(s.intermediate_size, s.mlp_bias, self.dtype, name="gate_proj")(x)
-        up = Linear(s.intermediate_size, s.mlp_bias, self.dtype, name="up_proj")(x)
-        return Linear(s.hidden_size, s.mlp_bias, self.dtype, name="down_proj")(
+        gate = Linear(
+            s.intermediate_size, s.mlp_bias, self.dtype, s.quantization, name="gate_proj"
+        )(x)
+        up = Linear(s.intermediate_size, s.mlp_bias, self.dtype, s.quantization, name="up_proj")(x)
+        return Linear(s.hidden_size, s.mlp_bias, self.dtype, s.quantization, name="down_proj")(
             jax.nn.silu(gate) * up
         )
 

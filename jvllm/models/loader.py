@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jvllm.layers.attention import AttentionMetadata
 from jvllm.models import orbax_checkpoint
+from jvllm.models.quantization import check_quantization, quantize
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
@@ -45,6 +46,11 @@ class LoadedModel:
     params: Params
     dtype: jnp.dtype
     hf_config: dict[str, Any]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter (all devices' shards together)."""
+        return sum(int(x.nbytes) for x in jax.tree.leaves(self.params))
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -96,15 +102,29 @@ def load_model(
     dtype: str = "auto",
     attention_backend: str = "reference",
     mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads and places every parameter; on a mesh each device gets only its slices.
 
     `model_dir` is a Hugging Face safetensors checkpoint or a `jvllm convert` output.
+    `quantization` ("int8", "fp8") quantizes the linear weights on the host as they load.
     """
     model_dir = Path(model_dir)
+    check_quantization(quantization)
     hf_config = read_config(model_dir)
-    spec = spec_from_hf_config(hf_config)
+    if "quantization_config" in hf_config:
+        method = hf_config["quantization_config"].get("quant_method")
+        raise ValueError(
+            f"{model_dir}: a {method!r} quantized checkpoint; jvllm reads float checkpoints "
+            "only (quantization='int8' or 'fp8' quantizes one at load)"
+        )
+    spec = dataclasses.replace(spec_from_hf_config(hf_config), quantization=quantization)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
+    if converted and quantization is not None:
+        raise ValueError(
+            f"{model_dir}: quantization at load reads safetensors checkpoints, not a "
+            "`jvllm convert` output; load the original checkpoint"
+        )
     if dtype == "auto" and converted:
         dtype = orbax_checkpoint.saved_dtype(model_dir)
     target = resolve_dtype(dtype, spec)
@@ -129,6 +149,8 @@ def _read_safetensors(
     placer = ShardedPlacer(mesh, spec) if mesh is not None else None
     flat = {}
     for path, shaped in abstract.items():
+        if path[-1] == "weight_scale":
+            continue  # made with its weight, below
         name = hf_name(path)
         if name not in index.entries:
             raise ValueError(
@@ -141,6 +163,11 @@ def _read_safetensors(
                 f"{index.entries[name].file}: tensor {name!r} has shape {array.shape}, "
                 f"expected {want} from config.json"
             )
+        scale_path = (*path[:-1], "weight_scale")
+        if path[-1] == "weight" and scale_path in abstract:
+            array, scale = quantize(array, spec.quantization)  # on the host
+            place = placer or (lambda _, a, dtype: jax.device_put(_convert(a, dtype)))
+            flat[scale_path] = place(hf_name(scale_path), scale, jnp.float32)
         if placer is None:
             flat[path] = jax.device_put(_convert(array, shaped.dtype))
         else:
