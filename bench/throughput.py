@@ -404,7 +404,7 @@ def _engine_run(
     moved = metrics["num_swapped_out_blocks"] + metrics["num_swapped_in_blocks"]
     spec = llm.engine.runner.spec
     block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim
-    block_bytes *= llm.engine.runner.model.dtype.itemsize
+    block_bytes *= llm.engine.runner.kv_dtype.itemsize
     run["preemption"] = dict(
         mode=preemption_mode if policy == "continuous" else "recompute",
         num_preemptions=metrics["num_preemptions"],

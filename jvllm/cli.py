@@ -59,6 +59,8 @@ _HELP = {
     "from the device (0: off)",
     "cpu_offload_gb": "GiB of weights per device kept in host memory (CPU backend: "
     "nothing to offload; other backends: not implemented yet)",
+    "kv_cache_dtype": "KV-cache storage: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 "
+    "(one byte a value: twice the blocks of bfloat16)",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
     "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
@@ -92,6 +94,7 @@ _GROUPS = {
     "swap_space": "CacheConfig",
     "kv_offloading_size": "CacheConfig",
     "cpu_offload_gb": "CacheConfig",
+    "kv_cache_dtype": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
     "coordinator_address": "ParallelConfig",
     "num_processes": "ParallelConfig",

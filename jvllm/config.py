@@ -7,6 +7,10 @@ shapes) live in `jvllm.models.spec.ModelSpec`, not here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -34,6 +38,14 @@ class ModelConfig:
             )
 
 
+# Host-only (ml_dtypes, not jax): the scheduler imports this module.
+_KV_DTYPES = {
+    "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+    "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -46,8 +58,20 @@ class CacheConfig:
     # GiB of host memory per device for full prefix-cache blocks evicted from the device
     # (vLLM V1's kv_offloading_size); 0 turns the host tier off.
     kv_offloading_size: float = 0.0
+    # The KV cache's storage type (vLLM's cache_dtype): "auto" is the model dtype;
+    # "fp8" / "fp8_e4m3" store float8 e4m3 and "fp8_e5m2" float8 e5m2 (one byte a value,
+    # unscaled, as vLLM without calibrated scales), cast up when attention reads them.
+    kv_cache_dtype: str = "auto"
+
+    def kv_dtype(self, model_dtype: Any) -> Any:
+        """The cache's jnp dtype for a model of `model_dtype`."""
+        return _KV_DTYPES.get(self.kv_cache_dtype) or model_dtype
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, {', '.join(_KV_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
         size = self.kv_offloading_size
         if not isinstance(size, int | float) or not 0 <= size < 1e6:
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")

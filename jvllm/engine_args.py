@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from jvllm.engine.llm_engine import LLMEngine
@@ -56,6 +57,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB per device, host memory for preemption_mode="swap"
     kv_offloading_size: float = 0.0  # GiB per device, host tier of the prefix cache
     cpu_offload_gb: float = 0.0  # GiB of weights per device kept in host memory
+    kv_cache_dtype: str = "auto"  # "fp8" (e4m3), "fp8_e4m3", "fp8_e5m2": one byte a value
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
@@ -110,6 +112,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
             kv_offloading_size=self.kv_offloading_size,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
         num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler)
@@ -152,7 +155,8 @@ class EngineArgs:
                 f"{available / memory.GIB:.1f} GiB of host memory available; lower "
                 "--swap-space or --kv-offloading-size"
             )
-        per_block = memory.kv_block_bytes(loaded.spec, cache.block_size, loaded.dtype.itemsize, tp)
+        itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
+        per_block = memory.kv_block_bytes(loaded.spec, cache.block_size, itemsize, tp)
         # No more than every sequence at full length could ever swap out.
         useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
         num_swap = min(memory.host_block_count(swap, per_block), useful)
@@ -171,8 +175,9 @@ class EngineArgs:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         spec = loaded.spec
+        itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
         per_block = memory.kv_block_bytes(
-            spec, cache.block_size, loaded.dtype.itemsize, self.tensor_parallel_size
+            spec, cache.block_size, itemsize, self.tensor_parallel_size
         )
         stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:

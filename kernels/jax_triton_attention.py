@@ -58,7 +58,13 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads = k_cache.shape[2]
-    assert k_cache.dtype == q.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    # The cache is the query's dtype, or fp8 (kv_cache_dtype), which the kernel casts up.
+    fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or k_cache.dtype in fp8), (
+        q.dtype,
+        k_cache.dtype,
+        v_cache.dtype,
+    )
     cfg = ta.launch_config(
         num_tokens,
         num_seqs,

@@ -301,8 +301,9 @@ def paged_attention_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
         kv_offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         # other=0: slots past the sequence may hold uninitialised memory (NaN * 0 = NaN).
-        k = tl.load(k_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0)  # [TILE_N, D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0)
+        # An fp8 cache is cast up to the query's dtype (a no-op for a model-dtype cache).
+        k = tl.load(k_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0).to(q.dtype)
         scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * (SCALE * _LOG2E)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if SLIDING_WINDOW > 0:

@@ -144,7 +144,7 @@ class CompileOnlyRunner(ModelRunner):
         s = self.spec
         shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         sharding = cache_sharding(self.mesh) or SingleDeviceSharding(self.device)
-        sds = jax.ShapeDtypeStruct(shape, self.model.dtype, sharding=sharding)
+        sds = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=sharding)
         return [(sds, sds) for _ in range(s.num_layers)]
 
     def _put(self, tree: Any) -> Any:

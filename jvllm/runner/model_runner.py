@@ -120,6 +120,7 @@ class ModelRunner:
         self.mesh = mesh
         self.spec = loaded.spec
         self.block_size = block_size = cache_config.block_size
+        self.kv_dtype = jnp.dtype(cache_config.kv_dtype(loaded.dtype))
         self.num_blocks = num_blocks
         self.max_num_seqs = scheduler_config.max_num_seqs
         max_model_len = scheduler_config.max_model_len
@@ -228,7 +229,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         sharding = cache_sharding(self.mesh)  # KV heads split across the mesh
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
-        zeros = lambda: jnp.zeros(shape, self.model.dtype, device=sharding)
+        zeros = lambda: jnp.zeros(shape, self.kv_dtype, device=sharding)
         return [(zeros(), zeros()) for _ in range(s.num_layers)]
 
     def _allocate_host_cache(self, num_host_blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -238,7 +239,7 @@ class ModelRunner:
             return []
         s = self.spec
         shape = (num_host_blocks + 1, self.block_size, s.num_kv_heads, s.head_dim)
-        dtype = np.dtype(self.model.dtype)
+        dtype = np.dtype(self.kv_dtype)
         # np.zeros maps pages on first touch: the pool costs nothing until swaps fill it.
         return [(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(s.num_layers)]
 

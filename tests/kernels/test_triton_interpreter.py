@@ -58,6 +58,7 @@ class Case:
     pad_tokens: int = 0  # tokens past query_start_loc[-1]
     pad_seqs: int = 0  # rows with no tokens and seq_len 0
     contiguous: bool = False  # blocks in order instead of shuffled
+    kv_dtype: str | None = None  # the cache's dtype when not the query's (fp8)
 
 
 MIXED = dict(q_lens=(37, 1, 9, 1), seq_lens=(37, 101, 39, 1))
@@ -110,6 +111,9 @@ CASES = [
     Case("padding", **MIXED, pad_tokens=5, pad_seqs=3),
     Case("padding-split4", (1, 1), (30, 9), pad_tokens=6, pad_seqs=2, num_splits=4),
     Case("padding-only", (), (), pad_tokens=4, pad_seqs=2),
+    # An fp8 KV cache (kv_cache_dtype="fp8"), cast up to the query's dtype on load.
+    Case("mixed-fp8-cache-bf16", **MIXED, dtype="bfloat16", kv_dtype="float8_e4m3fn"),
+    Case("decode-fp8-cache-f32", (1, 1), (40, 77), kv_dtype="float8_e4m3fn"),
 ]
 
 
@@ -144,11 +148,12 @@ def make_inputs(case: Case, gen: torch.Generator) -> Inputs:
     shape = (num_blocks, bs, case.num_kv_heads, case.head_dim)
     caches, refs = [], []
     for _ in range(2):
-        cache = torch.randn(shape, generator=gen).to(dtype)
-        ref = cache.float().clone().reshape(num_blocks * bs, -1)
+        kv_dtype = getattr(torch, case.kv_dtype or case.dtype)
+        cache = torch.randn(shape, generator=gen).to(kv_dtype).float()  # rounded to kv_dtype
+        ref = cache.clone().reshape(num_blocks * bs, -1)
         ref[~owned] = 0.0
         cache.view(num_blocks * bs, -1)[~owned] = float("nan")
-        caches.append(cache.to(DEVICE))
+        caches.append(cache.to(kv_dtype).to(DEVICE))
         refs.append(ref.reshape(shape).numpy())
     q_lens = list(case.q_lens) + [0] * case.pad_seqs
     num_tokens = sum(q_lens) + case.pad_tokens
