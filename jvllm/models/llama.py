@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
-from jvllm.models.quantization import storage_dtype
+from jvllm.models.quantization import PackedWeights, storage_dtype, unpack
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import AXIS, CACHE, HEADS
 
@@ -34,13 +34,15 @@ class Linear(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
-    quantization: str | None = None
+    quantization: str | PackedWeights | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (self.features, x.shape[-1])
         if self.quantization is None:
             y = jnp.einsum("...i,oi->...o", x, self.param("weight", _init, shape, self.dtype))
+        elif isinstance(self.quantization, PackedWeights):
+            y = jnp.einsum("...i,oi->...o", x, self._unpacked(x.shape[-1]))
         else:
             q = self.param("weight", nn.initializers.zeros, shape, storage_dtype(self.quantization))
             scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
@@ -48,6 +50,20 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
+
+    def _unpacked(self, in_features: int) -> jax.Array:
+        """The `[out, in]` weight of a compressed-tensors packed layer, in the model dtype."""
+        q = self.quantization
+        assert isinstance(q, PackedWeights)
+        words = (self.features, in_features * q.bits // 32)
+        packed = self.param("weight_packed", nn.initializers.zeros, words, jnp.int32)
+        groups = q.num_groups(in_features)
+        scale_shape = (self.features, groups)
+        # Scales in the model dtype, as checkpoints store them.
+        scale = self.param("weight_scale", nn.initializers.ones, scale_shape, self.dtype)
+        values = unpack(packed, q.bits, in_features).astype(self.dtype)  # [out, in]
+        grouped = values.reshape(self.features, groups, -1) * scale[:, :, None]
+        return grouped.reshape(self.features, in_features)
 
 
 class RMSNorm(nn.Module):

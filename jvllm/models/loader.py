@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from jvllm.layers.attention import AttentionMetadata
 from jvllm.models import orbax_checkpoint
-from jvllm.models.quantization import check_quantization, quantize
+from jvllm.models.quantization import PackedWeights, check_quantization, packed_weights, quantize
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
@@ -34,7 +34,8 @@ _DTYPE_NAMES = {
     "float16": jnp.float16,
 }
 # Buffers some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# (weight_shape: compressed-tensors stores each packed weight's unpacked shape.)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".weight_shape")
 
 Params = dict[str, Any]
 
@@ -112,13 +113,10 @@ def load_model(
     model_dir = Path(model_dir)
     check_quantization(quantization)
     hf_config = read_config(model_dir)
+    scheme: Any = quantization
     if "quantization_config" in hf_config:
-        method = hf_config["quantization_config"].get("quant_method")
-        raise ValueError(
-            f"{model_dir}: a {method!r} quantized checkpoint; jvllm reads float checkpoints "
-            "only (quantization='int8' or 'fp8' quantizes one at load)"
-        )
-    spec = dataclasses.replace(spec_from_hf_config(hf_config), quantization=quantization)
+        scheme = _checkpoint_scheme(model_dir, hf_config["quantization_config"], quantization)
+    spec = dataclasses.replace(spec_from_hf_config(hf_config), quantization=scheme)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
     if converted and quantization is not None:
         raise ValueError(
@@ -132,6 +130,8 @@ def load_model(
     tp = 1 if mesh is None else mesh.devices.size
     if mesh is not None:
         check_divisible(spec, tp)
+        if isinstance(scheme, PackedWeights):
+            _check_packed_split(spec, scheme, tp)
     built_spec = sharded_spec(spec, tp)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
     abstract = dict(_flatten(abstract_params(module, built_spec)))
@@ -142,6 +142,42 @@ def load_model(
     return LoadedModel(built_spec, module, _unflatten(flat), target, hf_config)
 
 
+def _checkpoint_scheme(model_dir: Path, config: dict[str, Any], requested: str | None) -> Any:
+    method = config.get("quant_method")
+    if requested is not None:
+        raise ValueError(
+            f"{model_dir}: a {method!r} quantized checkpoint cannot be quantized again "
+            f"(quantization={requested!r}); leave quantization unset"
+        )
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"{model_dir}: quant_method {method!r} is not supported; jvllm reads float "
+            "checkpoints (quantization='int8' or 'fp8' quantizes one at load) and "
+            "compressed-tensors pack-quantized ones"
+        )
+    ignored = set(config.get("ignore") or [])
+    if "lm_head" not in ignored and not any("lm_head" in i for i in ignored):
+        raise ValueError(f"{model_dir}: a quantized lm_head is not supported")
+    return packed_weights(config, str(model_dir))
+
+
+def _check_packed_split(spec: ModelSpec, scheme: PackedWeights, tp: int) -> None:
+    """Row-parallel layers split their input features: each device needs whole groups
+    and whole int32 words."""
+    for name, in_features in (
+        ("o_proj", spec.num_heads * spec.head_dim),
+        ("down_proj", spec.intermediate_size),
+    ):
+        part = in_features // tp
+        unit = max(scheme.group_size or 1, 32 // scheme.bits)
+        if part % unit:
+            raise ValueError(
+                f"tensor_parallel_size={tp} splits {name}'s {in_features} input features into "
+                f"{part}, not a multiple of the group size {scheme.group_size} (and of "
+                f"{32 // scheme.bits} values per int32 word)"
+            )
+
+
 def _read_safetensors(
     model_dir: Path, abstract: dict[tuple[str, ...], Any], spec: ModelSpec, mesh: Mesh | None
 ) -> dict[tuple[str, ...], jax.Array]:
@@ -149,8 +185,8 @@ def _read_safetensors(
     placer = ShardedPlacer(mesh, spec) if mesh is not None else None
     flat = {}
     for path, shaped in abstract.items():
-        if path[-1] == "weight_scale":
-            continue  # made with its weight, below
+        if path[-1] == "weight_scale" and isinstance(spec.quantization, str):
+            continue  # quantized at load: made with its weight, below
         name = hf_name(path)
         if name not in index.entries:
             raise ValueError(
@@ -164,7 +200,7 @@ def _read_safetensors(
                 f"expected {want} from config.json"
             )
         scale_path = (*path[:-1], "weight_scale")
-        if path[-1] == "weight" and scale_path in abstract:
+        if path[-1] == "weight" and scale_path in abstract and isinstance(spec.quantization, str):
             array, scale = quantize(array, spec.quantization)  # on the host
             place = placer or (lambda _, a, dtype: jax.device_put(_convert(a, dtype)))
             flat[scale_path] = place(hf_name(scale_path), scale, jnp.float32)

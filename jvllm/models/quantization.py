@@ -1,16 +1,28 @@
-"""Weight quantization at load (`quantization="int8"` or `"fp8"`, vLLM's argument).
+"""Quantized weights: int8/fp8 quantization at load, and compressed-tensors checkpoints.
+
+`quantization="int8"` or `"fp8"` (vLLM's argument) quantizes a float checkpoint:
 
 Owns the per-output-channel symmetric quantization of a float `[out, in]` linear weight
 on the host, before it reaches the device (so no float copy of a quantized layer is ever
 in device memory): int8 with scale max|w| / 127, or float8 e4m3 with scale max|w| / 448.
 The model's `Linear` keeps the quantized weight and its `[out]` float32 scales and
 computes `(x @ q.T) * scale` inside the jitted step. Embeddings, lm_head and norms stay
-in the model dtype. Quantized checkpoint formats (GPTQ, AWQ, compressed-tensors) are not
-read here.
+in the model dtype.
+
+A compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
+`pack-quantized`, as llm-compressor and compressed-tensors write W4A16 / W8A16) keeps
+its `weight_packed` int32 words (4- or 8-bit values, offset by 2**(bits-1), packed
+densely along the input dimension) and `weight_scale` per group of inputs (or per
+channel); the step unpacks and scales them before the matmul. `packed_weights(config)`
+reads and checks its quantization_config.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -48,3 +60,55 @@ def quantize(weight: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndar
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The float32 weight a quantized one stands for (tests' references)."""
     return q.astype(np.float32) * scale[:, None]
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """compressed-tensors pack-quantized linear weights: symmetric `bits`-bit integers,
+    one scale per `group_size` inputs (None: one per output channel)."""
+
+    bits: int
+    group_size: int | None
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+
+def packed_weights(config: dict[str, Any], where: str) -> PackedWeights:
+    """The PackedWeights of a compressed-tensors quantization_config; ValueError naming
+    what is not supported (and what is)."""
+    supported = (
+        "pack-quantized int weights, 4 or 8 bits, symmetric, group or channel strategy, "
+        "no activation quantization"
+    )
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{where}: compressed-tensors {what} is not supported ({supported})")
+
+    fmt = config.get("format")
+    schemes = {}
+    for name, group in (config.get("config_groups") or {}).items():
+        if group.get("input_activations") or group.get("output_activations"):
+            raise refuse(f"activation quantization in config group {name!r}")
+        if (group.get("format") or fmt) != "pack-quantized":
+            raise refuse(f"format {group.get('format') or fmt!r}")
+        w = group.get("weights") or {}
+        if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
+            raise refuse(f"{w.get('type')} weights of {w.get('num_bits')} bits")
+        if not w.get("symmetric", True):
+            raise refuse("asymmetric weights (zero points)")
+        if w.get("strategy") not in ("group", "channel") or w.get("actorder"):
+            raise refuse(f"strategy {w.get('strategy')!r} (actorder {w.get('actorder')!r})")
+        group_size = w.get("group_size") if w["strategy"] == "group" else None
+        schemes[name] = PackedWeights(int(w["num_bits"]), group_size)
+    if len(set(schemes.values())) != 1:
+        raise refuse(f"{len(set(schemes.values()))} different weight schemes")
+    return next(iter(schemes.values()))
+
+
+def unpack(packed: jax.Array, bits: int, in_features: int) -> jax.Array:
+    """`[out, in * bits / 32]` int32 -> `[out, in]` int32 in [-2**(bits-1), 2**(bits-1))."""
+    per_word = 32 // bits
+    shifts = bits * jnp.arange(per_word, dtype=jnp.int32)  # element e of a word: bits e*b..
+    values = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)  # [out, words, per_word]
+    return values.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (bits - 1))

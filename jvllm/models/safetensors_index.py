@@ -21,6 +21,12 @@ _DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F64": np.dtype(np.float64),
+    # Quantized checkpoints: packed words, zero points, shapes, float8 weights.
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
 

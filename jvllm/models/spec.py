@@ -47,8 +47,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    # Linear weights quantized at load ("int8", "fp8"; see models/quantization.py).
-    quantization: str | None = None
+    # Linear weights quantized at load ("int8", "fp8"), or a compressed-tensors
+    # checkpoint's packed weights (a models.quantization.PackedWeights).
+    quantization: Any = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -1,0 +1,179 @@
+"""compressed-tensors pack-quantized checkpoints (W4A16 by groups, W8A16 per channel),
+written by the compressed-tensors library itself, against Transformers loading the same
+checkpoint: logits, greedy tokens on 12 prompts, TP=2 equal to TP=1, weight bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from jvllm import LLM, SamplingParams
+from jvllm.models.loader import load_model
+from jvllm.models.quantization import QUANTIZED_LAYERS
+
+ct = pytest.importorskip("compressed_tensors")
+
+NEW_TOKENS = 16
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+SCHEMES = {"w4a16-g32": (4, "group", 32), "w8a16-channel": (8, "channel", None)}
+
+
+def compress(src, dst, bits: int, strategy: str, group_size: int | None):
+    """Quantizes a float checkpoint with compressed-tensors: its own qparams from each
+    weight's min/max (what a min-max observer gives), then its pack-quantized compressor."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    args = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+            w = module.weight.data
+            groups = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="module", params=sorted(SCHEMES))
+def packed(request, checkpoints, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("ct") / request.param
+    return compress(checkpoints["llama"], dst, *SCHEMES[request.param])
+
+
+@pytest.fixture(scope="module")
+def reference(packed):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        packed,
+        dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False),
+    ).eval()
+    return LLM(str(packed), **ENGINE), hf
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [[int(t) for t in rng.integers(6, 512, size=n)] for n in range(3, 123, 10)]
+
+
+def test_checkpoint_is_packed_by_the_library(packed) -> None:
+    config = json.loads((packed / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+
+
+def test_logits_match_transformers(reference) -> None:
+    llm, hf = reference
+    ids = prompts()[6]
+    row = _Row(ids)
+    (got,) = llm.engine.runner.forward_logits([row], every_token=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+def test_greedy_generate_matches_transformers(reference) -> None:
+    llm, hf = reference
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    for ids, out in zip(prompts(), outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )[0, len(ids) :].tolist()
+        ref = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert out.outputs[0].token_ids == ref
+
+
+def test_tensor_parallel_equals_one_device(packed) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts()[:4]]
+    outs = [
+        [
+            o.outputs[0].token_ids
+            for o in LLM(str(packed), tensor_parallel_size=tp, **ENGINE).generate(
+                batch, params, use_tqdm=False
+            )
+        ]
+        for tp in (1, 2)
+    ]
+    assert outs[0] == outs[1]
+
+
+def test_packed_weights_take_the_bytes_of_their_bits(packed, checkpoints) -> None:
+    bits = 4 if "w4" in packed.name else 8
+    linear = lambda m: sum(
+        int(leaf.nbytes)
+        for path, leaf in _leaves(m.params)
+        if any(layer in path for layer in QUANTIZED_LAYERS)
+    )
+    bf16 = linear(load_model(checkpoints["llama"], "bfloat16"))
+    ratio = linear(load_model(packed, "bfloat16")) / bf16
+    # 4 bits + a bfloat16 scale per 32 weights = 4.5 bits; 8 bits + one scale per row.
+    assert ratio <= (0.3 if bits == 4 else 0.55), ratio
+
+
+def test_unsupported_schemes_are_refused(packed, tmp_path) -> None:
+    for change, words in [
+        ({"quant_method": "awq"}, "quant_method 'awq'"),
+        ({"format": "float-quantized"}, "format 'float-quantized'"),
+    ]:
+        dst = tmp_path / words.split()[-1].strip("'")
+        shutil.copytree(packed, dst)
+        config = json.loads((dst / "config.json").read_text())
+        config["quantization_config"] |= change
+        for group in config["quantization_config"]["config_groups"].values():
+            group["format"] = config["quantization_config"]["format"]
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=words):
+            load_model(dst)
+    with pytest.raises(ValueError, match="cannot be quantized again"):
+        load_model(packed, quantization="int8")
+
+
+def _leaves(tree, prefix=()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+class _Row:
+    def __init__(self, ids: list[int]) -> None:
+        self.token_ids = ids
+        self.start_position = 0
+        self.block_table = list(range(1, 1 + -(-len(ids) // 16)))
+        self.prev_step_row = None
