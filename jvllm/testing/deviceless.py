@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import topologies
 
 from jvllm.config import CacheConfig, SchedulerConfig
@@ -94,12 +95,13 @@ def model_on(spec: ModelSpec, dtype: Any, devices: list[jax.Device]) -> LoadedMo
 
 
 def kv_cache_for(
-    loaded: LoadedModel, sizes: EngineSizes, target: Target
+    loaded: LoadedModel, sizes: EngineSizes, target: Target, kv_cache_dtype: str = "auto"
 ) -> tuple[memory.KVCacheSize, int, int]:
     """The engine's sizing rule on one device; weights from the abstract params."""
     tp = 1 if loaded.module.mesh is None else loaded.module.mesh.devices.size
     weights = _bytes(loaded.params)
-    block = memory.kv_block_bytes(loaded.spec, sizes.block_size, loaded.dtype.itemsize, tp)
+    itemsize = np.dtype(CacheConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(loaded.dtype)).itemsize
+    block = memory.kv_block_bytes(loaded.spec, sizes.block_size, itemsize, tp)
     reserve = memory.activation_reserve(sizes.max_num_batched_tokens, loaded.spec.vocab_size)
     budget = memory.gpu_budget(target.memory_bytes, weights, UTILIZATION, reserve)
     size = memory.kv_cache_size(
@@ -113,14 +115,18 @@ _COMPILED: dict[str, jax.stages.Compiled] = {}
 
 
 def build_runner(
-    loaded: LoadedModel, sizes: EngineSizes, num_blocks: int, device: jax.Device
+    loaded: LoadedModel,
+    sizes: EngineSizes,
+    num_blocks: int,
+    device: jax.Device,
+    kv_cache_dtype: str = "auto",
 ) -> CompileOnlyRunner:
     scheduler = SchedulerConfig(
         max_num_seqs=sizes.max_num_seqs,
         max_num_batched_tokens=sizes.max_num_batched_tokens,
         max_model_len=sizes.max_model_len,
     )
-    cache = CacheConfig(block_size=sizes.block_size)
+    cache = CacheConfig(block_size=sizes.block_size, kv_cache_dtype=kv_cache_dtype)
     return CompileOnlyRunner(
         loaded, device, num_blocks, cache, scheduler, loaded.module.mesh, _COMPILED
     )
@@ -183,11 +189,12 @@ def check_model(
     sizes: EngineSizes,
     target: Target,
     buckets: Sequence[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Warm-up's programs for one device, their kernels, and the memory they need."""
     loaded = model_on(spec, dtype, target.devices())
-    size, weights, reserve = kv_cache_for(loaded, sizes, target)
-    runner = build_runner(loaded, sizes, size.num_blocks, target.devices()[0])
+    size, weights, reserve = kv_cache_for(loaded, sizes, target, kv_cache_dtype)
+    runner = build_runner(loaded, sizes, size.num_blocks, target.devices()[0], kv_cache_dtype)
     if buckets is not None:
         runner.token_buckets = tuple(buckets)  # a representative subset
     runner.warm_up()

@@ -66,10 +66,15 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         loaded = model_on(eight_b_spec(), jnp.bfloat16, target.devices())
         size, _, _ = kv_cache_for(loaded, THROUGHPUT_8B, target)
         report["throughput_8b_kv"] = dict(num_blocks=size.num_blocks, kv_tokens=size.num_tokens)
-    for arch, spec in tiny_specs(args.tiny).items() if "tiny" in sections else ():
+    for i, (arch, spec) in enumerate(tiny_specs(args.tiny).items() if "tiny" in sections else ()):
         for dtype in (jnp.bfloat16, jnp.float32):
             name = f"{arch} {jnp.dtype(dtype).name}"
             report["models"].append(check_model(name, spec, dtype, TINY, target))
+        if i == 0:  # the fp8 KV cache's kernels (kv_cache_dtype="fp8"), once
+            fp8 = check_model(
+                f"{arch} bfloat16 kv-fp8", spec, jnp.bfloat16, TINY, target, None, "fp8"
+            )
+            report["models"].append(fp8)
     tp_spec = dataclasses.replace(eight_b_spec(), num_layers=TP_LAYERS)
     for topology in args.tp if "tp" in sections else ():
         report["tensor_parallel"].append(

@@ -126,6 +126,7 @@ def test_every_warm_up_program_compiles(report):
     """Each bucket's forward and all-logprobs program, the sampler, the block copy."""
     names = [m["model"] for m in report["models"]]
     tiny = [f"{a} {d}" for a in ("llama", "mistral", "qwen2", "qwen3") for d in DTYPES]
+    tiny.insert(2, "llama bfloat16 kv-fp8")  # the fp8 KV cache, once
     assert names == ["8b bf16", *tiny]
     for m in report["models"]:
         programs = [p["program"] for p in m["programs"]]
