@@ -20,7 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
-from jvllm.models.quantization import PackedWeights, storage_dtype, unpack
+from jvllm.models.quantization import (
+    FloatWeights,
+    PackedWeights,
+    fake_quantize_tokens,
+    storage_dtype,
+    unpack,
+)
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import AXIS, CACHE, HEADS
 
@@ -34,7 +40,7 @@ class Linear(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
-    quantization: str | PackedWeights | None = None
+    quantization: str | PackedWeights | FloatWeights | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -43,6 +49,12 @@ class Linear(nn.Module):
             y = jnp.einsum("...i,oi->...o", x, self.param("weight", _init, shape, self.dtype))
         elif isinstance(self.quantization, PackedWeights):
             y = jnp.einsum("...i,oi->...o", x, self._unpacked(x.shape[-1]))
+        elif isinstance(self.quantization, FloatWeights):
+            q = self.param("weight", nn.initializers.zeros, shape, jnp.float8_e4m3fn)
+            scale = self.param("weight_scale", nn.initializers.ones, (self.features, 1), self.dtype)
+            if self.quantization.dynamic_activations:
+                x = fake_quantize_tokens(x)
+            y = jnp.einsum("...i,oi->...o", x, q.astype(self.dtype)) * scale[:, 0]
         else:
             q = self.param("weight", nn.initializers.zeros, shape, storage_dtype(self.quantization))
             scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)

@@ -74,24 +74,50 @@ class PackedWeights:
         return 1 if self.group_size is None else in_features // self.group_size
 
 
-def packed_weights(config: dict[str, Any], where: str) -> PackedWeights:
-    """The PackedWeights of a compressed-tensors quantization_config; ValueError naming
-    what is not supported (and what is)."""
+@dataclass(frozen=True)
+class FloatWeights:
+    """compressed-tensors float-quantized linear weights (FP8 W8A8, "FP8_DYNAMIC"):
+    float8 e4m3 weights with a scale per output channel; with `dynamic_activations`
+    each token's input is quantized to float8 too, by its own max|x| / 448."""
+
+    dynamic_activations: bool
+
+
+def fake_quantize_tokens(x: jax.Array) -> jax.Array:
+    """Each row of x rounded through float8 e4m3 at scale max|row| / 448 (what a
+    dynamic per-token FP8 activation quantizer computes before the matmul)."""
+    qmax = _QMAX["fp8"]
+    x32 = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / qmax, 1e-12)
+    q = jnp.clip(x32 / scale, -qmax, qmax).astype(jnp.float8_e4m3fn)
+    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatWeights:
+    """The scheme of a compressed-tensors quantization_config; ValueError naming what is
+    not supported (and what is)."""
     supported = (
-        "pack-quantized int weights, 4 or 8 bits, symmetric, group or channel strategy, "
-        "no activation quantization"
+        "pack-quantized int weights of 4 or 8 bits, symmetric, by group or channel, with "
+        "float activations; float-quantized float8 weights per channel with float or "
+        "dynamic per-token float8 activations"
     )
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"{where}: compressed-tensors {what} is not supported ({supported})")
 
     fmt = config.get("format")
-    schemes = {}
+    schemes: dict[str, PackedWeights | FloatWeights] = {}
     for name, group in (config.get("config_groups") or {}).items():
-        if group.get("input_activations") or group.get("output_activations"):
-            raise refuse(f"activation quantization in config group {name!r}")
-        if (group.get("format") or fmt) != "pack-quantized":
-            raise refuse(f"format {group.get('format') or fmt!r}")
+        if group.get("output_activations"):
+            raise refuse(f"output activation quantization in config group {name!r}")
+        group_format = group.get("format") or fmt
+        if group_format == "float-quantized":
+            schemes[name] = _float_scheme(group, refuse)
+            continue
+        if group.get("input_activations"):
+            raise refuse(f"activation quantization with {group_format!r} weights")
+        if group_format != "pack-quantized":
+            raise refuse(f"format {group_format!r}")
         w = group.get("weights") or {}
         if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
             raise refuse(f"{w.get('type')} weights of {w.get('num_bits')} bits")
@@ -104,6 +130,17 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights:
     if len(set(schemes.values())) != 1:
         raise refuse(f"{len(set(schemes.values()))} different weight schemes")
     return next(iter(schemes.values()))
+
+
+def _float_scheme(group: dict[str, Any], refuse: Any) -> FloatWeights:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") != "channel":
+        raise refuse(f"float weights of {w.get('num_bits')} bits by {w.get('strategy')!r}")
+    if a and not (a.get("type") == "float" and a.get("dynamic") and a.get("strategy") == "token"):
+        raise refuse(
+            f"{'dynamic' if a.get('dynamic') else 'static'} activations by {a.get('strategy')!r}"
+        )
+    return FloatWeights(dynamic_activations=bool(a))
 
 
 def unpack(packed: jax.Array, bits: int, in_features: int) -> jax.Array:

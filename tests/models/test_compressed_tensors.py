@@ -19,27 +19,40 @@ ct = pytest.importorskip("compressed_tensors")
 
 NEW_TOKENS = 16
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
-SCHEMES = {"w4a16-g32": (4, "group", 32), "w8a16-channel": (8, "channel", None)}
+# name -> (bits, strategy, group size) of int weights, or a compressed-tensors preset.
+SCHEMES = {
+    "w4a16-g32": (4, "group", 32),
+    "w8a16-channel": (8, "channel", None),
+    "fp8-dynamic": "FP8_DYNAMIC",  # float8 weights per channel, float8 tokens
+}
 
 
-def compress(src, dst, bits: int, strategy: str, group_size: int | None):
+def compress(src, dst, scheme_spec):
     """Quantizes a float checkpoint with compressed-tensors: its own qparams from each
-    weight's min/max (what a min-max observer gives), then its pack-quantized compressor."""
+    weight's min/max (what a min-max observer gives), then its compressor (pack-quantized
+    for int weights, float-quantized for float8)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
+        preset_name_to_scheme,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    args = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size
-    )
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    if isinstance(scheme_spec, str):
+        scheme = preset_name_to_scheme(scheme_spec, ["Linear"])
+        args, group_size, fmt = scheme.weights, None, None
+    else:
+        bits, strategy, group_size = scheme_spec
+        args = QuantizationArgs(
+            num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size
+        )
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        fmt = "pack-quantized"
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
@@ -49,8 +62,9 @@ def compress(src, dst, bits: int, strategy: str, group_size: int | None):
             groups = w.reshape(w.shape[0], -1, group_size or w.shape[1])
             scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(dst)
@@ -63,18 +77,16 @@ def compress(src, dst, bits: int, strategy: str, group_size: int | None):
 @pytest.fixture(scope="module", params=sorted(SCHEMES))
 def packed(request, checkpoints, tmp_path_factory):
     dst = tmp_path_factory.mktemp("ct") / request.param
-    return compress(checkpoints["llama"], dst, *SCHEMES[request.param])
+    return compress(checkpoints["llama"], dst, SCHEMES[request.param])
 
 
 @pytest.fixture(scope="module")
 def reference(packed):
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        packed,
-        dtype=torch.float32,
-        quantization_config=CompressedTensorsConfig(run_compressed=False),
-    ).eval()
+    # Transformers' compressed-tensors integration as loaded by default: it runs the
+    # checkpoint's scheme, float8 tokens included (run_compressed=False would drop them).
+    hf = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32).eval()
     return LLM(str(packed), **ENGINE), hf
 
 
@@ -85,7 +97,8 @@ def prompts() -> list[list[int]]:
 
 def test_checkpoint_is_packed_by_the_library(packed) -> None:
     config = json.loads((packed / "config.json").read_text())["quantization_config"]
-    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    want = "float-quantized" if packed.name.startswith("fp8") else "pack-quantized"
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == want
 
 
 def test_logits_match_transformers(reference) -> None:
@@ -148,7 +161,7 @@ def test_packed_weights_take_the_bytes_of_their_bits(packed, checkpoints) -> Non
 def test_unsupported_schemes_are_refused(packed, tmp_path) -> None:
     for change, words in [
         ({"quant_method": "awq"}, "quant_method 'awq'"),
-        ({"format": "float-quantized"}, "format 'float-quantized'"),
+        ({"format": "int-quantized"}, "'int-quantized'"),
     ]:
         dst = tmp_path / words.split()[-1].strip("'")
         shutil.copytree(packed, dst)
