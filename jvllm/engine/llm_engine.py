@@ -28,9 +28,9 @@ from jvllm.engine.beam_search import Beam, BeamGroup, Candidates, check_beam_sea
 from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from jvllm.engine.sequence_group import Constraints, SequenceGroup, SequenceState
-from jvllm.engine.structured_output import GrammarCompiler, fill_bitmasks
-from jvllm.engine.token_constraints import BadWords, bitmask_width, pack_allowed
+from jvllm.engine.sequence_group import SequenceGroup, SequenceState
+from jvllm.engine.structured_output import GrammarCompiler
+from jvllm.engine.token_constraints import constraints_for, step_sampling
 from jvllm.engine.validation import validate_request
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams, SamplingRow
@@ -112,7 +112,6 @@ class LLMEngine:
         self.generation_tokens = 0
         # Thread-safe: the server compiles a request's grammar before it reaches us.
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-        self._bitmask_width = bitmask_width(vocab_size)
         # Live sequences with a token mask, and those whose next row needs the token
         # just sampled (a grammar, multi-token bad words): most steps have neither.
         self._masked: set[str] = set()
@@ -137,7 +136,9 @@ class LLMEngine:
             self._add_beam_search(request_id, text, ids, params, arrival)
             return
         validate_request(text, ids, params, self.vocab_size, self.max_model_len)
-        constraints = self._constraints(params)
+        constraints = constraints_for(
+            params, self.tokenizer, self.vocab_size, self.structured_outputs
+        )
         group = SequenceGroup(request_id, text, ids, params, arrival)
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
@@ -157,22 +158,6 @@ class LLMEngine:
         for state in group.children:
             self.scheduler.add_request(state.request)
         self.prompt_tokens += len(ids)
-
-    def _constraints(self, params: SamplingParams) -> Callable[[int], Constraints | None]:
-        """Each sibling's Constraints (its own grammar matcher; the rest shared)."""
-        bad_words = allowed = compiled = None
-        if params.bad_words:
-            bad_words = BadWords.from_words(self.tokenizer, params.bad_words)
-        if params.allowed_token_ids:
-            allowed = pack_allowed(params.allowed_token_ids, self.vocab_size)
-        if params.structured_outputs is not None:
-            # Compiled already when the server or LLM asked first; waits otherwise.
-            compiled = self.structured_outputs.compile(params.structured_outputs).result()
-        if bad_words is None and allowed is None and compiled is None:
-            return lambda index: None
-        return lambda index: Constraints(
-            bad_words, allowed, compiled.matcher() if compiled is not None else None
-        )
 
     def _add_beam_search(
         self,
@@ -306,26 +291,9 @@ class LLMEngine:
     def _sampling(
         self, states: Sequence[SequenceState | Beam], rows: Sequence[ScheduledRequest]
     ) -> tuple[list[SamplingRow], np.ndarray | None]:
-        """The step's sampling rows, and its token bitmask where some row is masked."""
-        sampling_rows, masked = [], []
-        for i, (state, row) in enumerate(zip(states, rows, strict=True)):
-            if not row.samples or state.finished:  # finished: dropped at commit, unseen
-                sampling_rows.append(_IDLE_ROW)
-                continue
-            sampling_rows.append(state.sampling_row(self.eos_token_ids, row))
-            if self._masked and row.request_id in self._masked:
-                masked.append(i)
-        if not masked:
-            return sampling_rows, None
-        bitmask = np.full((len(rows), self._bitmask_width), -1, np.int32)
-        constraints = [(i, states[i].constraints) for i in masked]  # type: ignore[union-attr]
-        grammars = [(c.grammar, i) for i, c in constraints if c.grammar is not None]
-        if grammars:
-            fill_bitmasks(self.structured_outputs.executor, grammars, bitmask)
-        for i, c in constraints:
-            if c.allowed_mask is not None:
-                bitmask[i] &= c.allowed_mask
-        return sampling_rows, bitmask
+        return step_sampling(
+            states, rows, self.eos_token_ids, self._masked, self.structured_outputs, self.vocab_size
+        )
 
     def _commit(self, flight: _InFlight, final_only: bool) -> list[RequestOutput]:
         """Waits for a dispatched step and applies its tokens: stop checks, text, outputs."""
@@ -462,7 +430,3 @@ class LLMEngine:
             "num_tier_blocks": st.num_tier_blocks,
             "num_used_tier_blocks": st.num_used_tier_blocks,
         }
-
-
-# Rows that do not sample this step (a prompt chunk short of its end) still fill a row.
-_IDLE_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())

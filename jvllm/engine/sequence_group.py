@@ -16,30 +16,9 @@ import numpy as np
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest
-from jvllm.engine.structured_output import GrammarMatcher
-from jvllm.engine.token_constraints import BadWords
+from jvllm.engine.token_constraints import Constraints
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import SamplingParams, SamplingRow
-
-
-@dataclass
-class Constraints:
-    """What limits a sequence's next token beyond its SamplingParams' scalars."""
-
-    bad_words: BadWords | None = None
-    allowed_mask: np.ndarray | None = None  # i32[W], token_constraints.pack_allowed
-    grammar: GrammarMatcher | None = None
-
-    @property
-    def needs_latest_token(self) -> bool:
-        """The next row's bans or mask depend on the token sampled last."""
-        return self.grammar is not None or (
-            self.bad_words is not None and self.bad_words.needs_history
-        )
-
-    @property
-    def masks(self) -> bool:
-        return self.grammar is not None or self.allowed_mask is not None
 
 
 class SequenceState:

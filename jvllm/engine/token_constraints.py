@@ -1,18 +1,28 @@
-"""Per-sequence token constraints the host works out: bad words, allowed-token masks.
+"""Per-sequence token constraints the host works out: bad words, allowed-token masks,
+grammar matchers, and the step inputs they make.
 
-Owns tokenizing `SamplingParams.bad_words` (vLLM's rule: each word as written, and with
-one leading space when that tokenizes differently), which tokens a sequence's bad words
-ban at its next position, and packing `allowed_token_ids` into the sampler's bitmask
-layout (bit j of int32 word w is token 32 w + j). The sampler applies both on device;
-grammars are `structured_output.py`'s. Host only, numpy only.
+Owns `Constraints` (what limits one sequence's next token), building them for a request
+(`constraints_for`: bad words tokenized by vLLM's rule, each word as written and with one
+leading space when that tokenizes differently; `allowed_token_ids` packed into the
+sampler's bitmask layout, bit j of int32 word w being token 32 w + j; a grammar matcher
+per sibling), which tokens bad words ban at a sequence's next position, and a step's
+sampling rows with its token bitmask (`step_sampling`). The sampler applies bans and
+masks on device; grammars themselves are `structured_output.py`'s. Host only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from jvllm.engine.structured_output import GrammarCompiler, GrammarMatcher, fill_bitmasks
+from jvllm.sampling_params import SamplingParams, SamplingRow
+
+# Rows that do not sample this step (a prompt chunk short of its end) still fill a row.
+IDLE_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -59,3 +69,73 @@ class BadWords:
             if num_out >= prefix and tuple(output_token_ids[num_out - prefix :]) == seq[:-1]:
                 out.append(seq[-1])
         return out
+
+
+@dataclass
+class Constraints:
+    """What limits a sequence's next token beyond its SamplingParams' scalars."""
+
+    bad_words: BadWords | None = None
+    allowed_mask: np.ndarray | None = None  # i32[W], pack_allowed
+    grammar: GrammarMatcher | None = None
+
+    @property
+    def needs_latest_token(self) -> bool:
+        """The next row's bans or mask depend on the token sampled last."""
+        return self.grammar is not None or (
+            self.bad_words is not None and self.bad_words.needs_history
+        )
+
+    @property
+    def masks(self) -> bool:
+        return self.grammar is not None or self.allowed_mask is not None
+
+
+def constraints_for(
+    params: SamplingParams, tokenizer: Any, vocab_size: int, compiler: GrammarCompiler
+) -> Callable[[int], Constraints | None]:
+    """Each sibling's Constraints (its own grammar matcher; the rest shared), by index."""
+    bad_words = allowed = compiled = None
+    if params.bad_words:
+        bad_words = BadWords.from_words(tokenizer, params.bad_words)
+    if params.allowed_token_ids:
+        allowed = pack_allowed(params.allowed_token_ids, vocab_size)
+    if params.structured_outputs is not None:
+        # Compiled already when the server or LLM asked first; waits otherwise.
+        compiled = compiler.compile(params.structured_outputs).result()
+    if bad_words is None and allowed is None and compiled is None:
+        return lambda index: None
+    return lambda index: Constraints(
+        bad_words, allowed, compiled.matcher() if compiled is not None else None
+    )
+
+
+def step_sampling(
+    states: Sequence[Any],
+    rows: Sequence[Any],
+    eos_token_ids: frozenset[int],
+    masked_ids: Collection[str],
+    compiler: GrammarCompiler,
+    vocab_size: int,
+) -> tuple[list[SamplingRow], np.ndarray | None]:
+    """The step's sampling rows (each state's `sampling_row`), and its token bitmask
+    `i32[rows, W]` where some row's request is in `masked_ids`."""
+    sampling_rows, masked = [], []
+    for i, (state, row) in enumerate(zip(states, rows, strict=True)):
+        if not row.samples or state.finished:  # finished: dropped at commit, unseen
+            sampling_rows.append(IDLE_ROW)
+            continue
+        sampling_rows.append(state.sampling_row(eos_token_ids, row))
+        if masked_ids and row.request_id in masked_ids:
+            masked.append(i)
+    if not masked:
+        return sampling_rows, None
+    bitmask = np.full((len(rows), bitmask_width(vocab_size)), -1, np.int32)
+    constraints = [(i, states[i].constraints) for i in masked]
+    grammars = [(c.grammar, i) for i, c in constraints if c.grammar is not None]
+    if grammars:
+        fill_bitmasks(compiler.executor, grammars, bitmask)
+    for i, c in constraints:
+        if c.allowed_mask is not None:
+            bitmask[i] &= c.allowed_mask
+    return sampling_rows, bitmask
