@@ -27,8 +27,6 @@ import time
 
 from bench import common
 from jvllm import LLM, BeamSearchParams, SamplingParams
-from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
-from jvllm.demo.corpus import PROMPTS
 from jvllm.engine.beam_search import BeamGroup, Candidates
 
 
@@ -67,14 +65,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "beam_search.json")
     args = ap.parse_args(argv)
     result = common.envelope(__file__, argv)
-    model = args.model or str(demo_model_path())
-    llm = LLM(model, **DEMO_ENGINE_DEFAULTS) if args.model is None else LLM(model)
-    tokenizer = llm.get_tokenizer()
-    prompts = []
-    for i in range(args.prompts):
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    llm, model, prompts = common.demo_chat_llm(args.model, args.prompts)
     params = BeamSearchParams(args.width, args.max_tokens, ignore_eos=True)
     num_tokens = args.prompts * args.width * args.max_tokens
 

@@ -400,3 +400,21 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def demo_chat_llm(model: str | None, num_prompts: int) -> tuple[Any, str, list[list[int]]]:
+    """An engine on `model` (default: the demo model with its engine defaults), its
+    path, and `num_prompts` chat prompts from the demo corpus as token ids."""
+    from jvllm import LLM
+    from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
+    from jvllm.demo.corpus import PROMPTS
+
+    path = model or str(demo_model_path())
+    llm = LLM(path, **DEMO_ENGINE_DEFAULTS) if model is None else LLM(path)
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for i in range(num_prompts):
+        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return llm, path, prompts

@@ -30,8 +30,6 @@ import time
 
 from bench import common
 from jvllm import LLM, SamplingParams, StructuredOutputsParams
-from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
-from jvllm.demo.corpus import PROMPTS
 
 SCHEMA = {
     "type": "array",
@@ -88,14 +86,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "structured_outputs.json")
     args = ap.parse_args(argv)
     result = common.envelope(__file__, argv)
-    model = args.model or str(demo_model_path())
-    llm = LLM(model, **DEMO_ENGINE_DEFAULTS) if args.model is None else LLM(model)
-    tokenizer = llm.get_tokenizer()
-    prompts = []
-    for i in range(args.num_prompts):
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    llm, model, prompts = common.demo_chat_llm(args.model, args.num_prompts)
     spec = StructuredOutputsParams(json=SCHEMA)
 
     def params_for(fraction: float) -> list[SamplingParams]:

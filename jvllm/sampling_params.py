@@ -7,6 +7,7 @@ Checks that need the model (vocabulary size, context length) live in the engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json as jsonlib
 import math
 from collections.abc import Callable, Sequence
@@ -62,9 +63,9 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @functools.cached_property
     def cache_key(self) -> str:
-        """Equal for specs that compile to the same grammar."""
+        """Equal for specs that compile to the same grammar (serialised once per spec)."""
         value = getattr(self, self.kind)
         if isinstance(value, dict | list | tuple):
             value = jsonlib.dumps(value, sort_keys=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.token_constraints import BadWords
+from tests.test_llm import hf_greedy
 
 NEW_TOKENS = 24
 
@@ -31,18 +31,7 @@ def _prompts(seed: int, n: int = 6) -> list[list[int]]:
 
 
 def _hf_greedy(hf, ids: list[int], eos: int, **processors) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            eos_token_id=eos,
-            pad_token_id=eos,
-            **processors,
-        )
-    new = out[0, len(ids) :].tolist()
-    return new[: new.index(eos) + 1] if eos in new else new
+    return hf_greedy(hf, ids, NEW_TOKENS, eos, **processors)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

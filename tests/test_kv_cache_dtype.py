@@ -10,18 +10,9 @@ import pytest
 from jvllm import LLM, SamplingParams
 from jvllm.config import CacheConfig
 from jvllm.demo.corpus import PROMPTS
+from tests.models.test_quantization import prompt_row
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
-
-
-class _Row:
-    """A whole sequence as one scheduled row over blocks first, first + 1, ..."""
-
-    def __init__(self, ids: list[int], first: int) -> None:
-        self.token_ids = ids
-        self.start_position = 0
-        self.block_table = list(range(first, first + -(-len(ids) // 16)))
-        self.prev_step_row = None
 
 
 def test_fp8_holds_twice_the_blocks_of_bfloat16(checkpoints) -> None:
@@ -50,7 +41,8 @@ def test_next_token_agreement_with_a_bfloat16_cache() -> None:
             sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
         runner = llm.engine.runner
         argmax[kv] = [
-            runner.forward_logits([_Row(s, 1)], every_token=True)[0].argmax(-1) for s in sequences
+            runner.forward_logits([prompt_row(s)], every_token=True)[0].argmax(-1)
+            for s in sequences
         ]
     agree = np.concatenate([a == b for a, b in zip(argmax["auto"], argmax["fp8"], strict=True)])
     assert agree.mean() >= 0.95, agree.mean()

@@ -21,7 +21,9 @@ def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
     return [[int(t) for t in rng.integers(6, 512, size=n)] for n in lengths]
 
 
-def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int) -> list[int]:
+def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int, **processors) -> list[int]:
+    """Transformers' greedy continuation (through EOS); `processors` are generate()'s
+    logits-processor arguments (sequence_bias, bad_words_ids, ...)."""
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([ids]),
@@ -30,6 +32,7 @@ def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int) -> list[int]:
             max_new_tokens=max_new,
             eos_token_id=eos,
             pad_token_id=eos,
+            **processors,
         )
     new = out[0, len(ids) :].tolist()
     return new[: new.index(eos) + 1] if eos in new else new

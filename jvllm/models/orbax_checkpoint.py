@@ -82,7 +82,7 @@ def restore(
     targets = {}
     for p, shaped in abstract.items():
         name, shape = names[p], shaped.shape
-        pspec = partition_spec(name, len(shape), spec, tp)
+        pspec = partition_spec(name, shape, spec, tp)
         if repeats > 1 and _is_kv(name):
             # Too few heads to split: read them whole, repeat them on device below.
             shape, pspec = (shape[0] // repeats, *shape[1:]), PartitionSpec()
@@ -94,7 +94,7 @@ def restore(
         x = tree[names[p]]
         if repeats > 1 and _is_kv(names[p]):
             x = _repeat_heads(x, repeats, spec.head_dim)
-            x = jax.device_put(x, _sharding(mesh, partition_spec(names[p], x.ndim, spec, tp)))
+            x = jax.device_put(x, _sharding(mesh, partition_spec(names[p], x.shape, spec, tp)))
         out[p] = x.astype(shaped.dtype) if x.dtype != shaped.dtype else x
     return out
 

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jvllm.parallel.mesh import ModelShapes, kv_replication, partition_spec
 
@@ -48,10 +47,7 @@ class ShardedPlacer:
         repeats = kv_replication(self.spec, self.tp)
         if repeats > 1 and _is_kv_projection(name):
             array = repeat_kv_heads(array, repeats, self.spec.head_dim)
-        pspec = partition_spec(name, array.ndim, self.spec, self.tp)
-        if name.endswith(".weight_scale") and array.ndim == 2 and array.shape[1] == 1:
-            pspec = P(*pspec[:1])  # one scale per output row: whole on every input split
-        sharding = NamedSharding(self.mesh, pspec)
+        sharding = NamedSharding(self.mesh, partition_spec(name, array.shape, self.spec, self.tp))
         target = to_numpy_dtype(dtype)
         return jax.make_array_from_callback(
             array.shape, sharding, lambda index: np.ascontiguousarray(array[index], dtype=target)

@@ -82,16 +82,19 @@ def kv_replication(spec: ModelShapes, tp: int) -> int:
     return tp // spec.num_kv_heads if spec.num_kv_heads < tp else 1
 
 
-def partition_spec(name: str, ndim: int, spec: ModelShapes, tp: int) -> P:
-    """The PartitionSpec of one parameter, by its Hugging Face name."""
+def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int) -> P:
+    """The PartitionSpec of one parameter of `shape`, by its Hugging Face name."""
     if tp == 1:
         return P()
+    ndim = len(shape)
     leaf = name.split(".")[-2] if ndim else ""
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     if leaf in column:
         return P(AXIS, None) if ndim == 2 else P(AXIS)
     if leaf in ("o_proj", "down_proj"):
-        return P(None, AXIS) if ndim == 2 else P()  # a row-parallel bias is added once
+        # A row-parallel bias is added once; a [out, 1] scale per row (quantized
+        # weights) applies whole to every input split.
+        return P(None, AXIS) if ndim == 2 and shape[1] > 1 else P()
     if leaf in ("embed_tokens", "lm_head") and spec.vocab_size % tp == 0:
         return P(AXIS, None)
     return P()  # norms, and a vocabulary that does not divide

@@ -59,7 +59,7 @@ def abstract_model(
             sharding = SingleDeviceSharding(device)
         else:
             name = hf_name(tuple(k.key for k in path))
-            sharding = NamedSharding(mesh, partition_spec(name, leaf.ndim, spec, tp))
+            sharding = NamedSharding(mesh, partition_spec(name, leaf.shape, spec, tp))
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     params = jax.tree_util.tree_map_with_path(place, abstract_params(module, built))

@@ -21,7 +21,7 @@ to `min(T, max_num_seqs)`, so one forward program exists per T bucket.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jvllm.config import CacheConfig, SchedulerConfig
+from jvllm.engine.llm_engine import LateSampling
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
@@ -46,9 +47,6 @@ from jvllm.runner.input_batch import (
     unpack,
 )
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
-
-# Called once the forward is queued: the sampling rows and the token bitmask (or None).
-LateSampling = Callable[[], tuple[Sequence[SamplingRow], np.ndarray | None]]
 
 MIN_TOKEN_BUCKET = 16
 MIN_PENALTY_BUCKET = 64

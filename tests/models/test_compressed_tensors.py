@@ -13,7 +13,9 @@ import torch
 
 from jvllm import LLM, SamplingParams
 from jvllm.models.loader import load_model
-from jvllm.models.quantization import QUANTIZED_LAYERS
+from tests.models.test_forward import assert_close, hf_logits
+from tests.models.test_quantization import linear_bytes, prompt_row
+from tests.test_llm import hf_greedy
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -104,11 +106,9 @@ def test_checkpoint_is_packed_by_the_library(packed) -> None:
 def test_logits_match_transformers(reference) -> None:
     llm, hf = reference
     ids = prompts()[6]
-    row = _Row(ids)
+    row = prompt_row(ids)
     (got,) = llm.engine.runner.forward_logits([row], every_token=True)
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+    assert_close(got, hf_logits(hf, ids))  # within 1e-4 * max(1, max|logits|)
 
 
 def test_greedy_generate_matches_transformers(reference) -> None:
@@ -117,17 +117,7 @@ def test_greedy_generate_matches_transformers(reference) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     for ids, out in zip(prompts(), outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )[0, len(ids) :].tolist()
-        ref = ref[: ref.index(eos) + 1] if eos in ref else ref
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS, eos)
 
 
 def test_tensor_parallel_equals_one_device(packed) -> None:
@@ -147,13 +137,8 @@ def test_tensor_parallel_equals_one_device(packed) -> None:
 
 def test_packed_weights_take_the_bytes_of_their_bits(packed, checkpoints) -> None:
     bits = 4 if "w4" in packed.name else 8
-    linear = lambda m: sum(
-        int(leaf.nbytes)
-        for path, leaf in _leaves(m.params)
-        if any(layer in path for layer in QUANTIZED_LAYERS)
-    )
-    bf16 = linear(load_model(checkpoints["llama"], "bfloat16"))
-    ratio = linear(load_model(packed, "bfloat16")) / bf16
+    bf16 = linear_bytes(load_model(checkpoints["llama"], "bfloat16"))
+    ratio = linear_bytes(load_model(packed, "bfloat16")) / bf16
     # 4 bits + a bfloat16 scale per 32 weights = 4.5 bits; 8 bits + one scale per row.
     assert ratio <= (0.3 if bits == 4 else 0.55), ratio
 
@@ -174,19 +159,3 @@ def test_unsupported_schemes_are_refused(packed, tmp_path) -> None:
             load_model(dst)
     with pytest.raises(ValueError, match="cannot be quantized again"):
         load_model(packed, quantization="int8")
-
-
-def _leaves(tree, prefix=()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-class _Row:
-    def __init__(self, ids: list[int]) -> None:
-        self.token_ids = ids
-        self.start_position = 0
-        self.block_table = list(range(1, 1 + -(-len(ids) // 16)))
-        self.prev_step_row = None

@@ -13,9 +13,11 @@ import torch
 from safetensors.numpy import save_file
 
 from jvllm import LLM, SamplingParams
-from jvllm.models.loader import load_model
+from jvllm.models.loader import _flatten, load_model
 from jvllm.models.quantization import QUANTIZED_LAYERS, dequantize, quantize
 from jvllm.models.safetensors_index import SafetensorsIndex
+from tests.models.test_forward import Row, assert_close, hf_logits
+from tests.test_llm import hf_greedy
 
 NEW_TOKENS = 16
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
@@ -65,11 +67,9 @@ def test_logits_match_the_dequantized_model(reference) -> None:
     llm, hf, _ = reference
     ids = prompts()[5]
     runner = llm.engine.runner
-    row = _Row(ids)
+    row = prompt_row(ids)
     (got,) = runner.forward_logits([row], every_token=True)
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, float(np.abs(want).max())))
+    assert_close(got, hf_logits(hf, ids))  # within 1e-4 * max(1, max|logits|)
 
 
 def test_greedy_generate_matches_transformers_on_the_dequantized_weights(reference) -> None:
@@ -78,17 +78,7 @@ def test_greedy_generate_matches_transformers_on_the_dequantized_weights(referen
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     for ids, out in zip(prompts(), outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )[0, len(ids) :].tolist()
-        ref = ref[: ref.index(eos) + 1] if eos in ref else ref
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS, eos)
 
 
 def test_tensor_parallel_equals_one_device(checkpoints, quantization) -> None:
@@ -103,27 +93,25 @@ def test_tensor_parallel_equals_one_device(checkpoints, quantization) -> None:
     assert outs[1] == outs[2]
 
 
-def _linear_bytes(loaded) -> int:
-    total = 0
-    for path, leaf in _leaves(loaded.params):
-        if any(layer in path for layer in QUANTIZED_LAYERS):
-            total += int(leaf.nbytes)
-    return total
+def linear_bytes(loaded) -> int:
+    """Device bytes of the quantizable projections (weights, scales, packed words)."""
+    return sum(
+        int(leaf.nbytes)
+        for path, leaf in _flatten(loaded.params)
+        if any(layer in path for layer in QUANTIZED_LAYERS)
+    )
 
 
-def _leaves(tree, prefix=()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
+def prompt_row(ids: list[int]) -> Row:
+    """A whole prompt as one scheduled row over fresh blocks 1, 2, ..."""
+    return Row(ids, 0, list(range(1, 1 + -(-len(ids) // 16))))
 
 
 def test_linear_weights_take_about_half_the_bytes_of_bfloat16(checkpoints, quantization) -> None:
     path = checkpoints["llama"]
     bf16 = load_model(path, "bfloat16")
     quantized = load_model(path, "bfloat16", quantization=quantization)
-    ratio = _linear_bytes(quantized) / _linear_bytes(bf16)
+    ratio = linear_bytes(quantized) / linear_bytes(bf16)
     assert ratio <= 0.55, ratio  # one byte per weight, plus a float32 scale per row
     assert quantized.weight_bytes < bf16.weight_bytes
 
@@ -139,13 +127,3 @@ def test_bad_quantization_is_refused(checkpoints, tmp_path) -> None:
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
         load_model(dst)
-
-
-class _Row:
-    """A whole prompt as one scheduled row over fresh blocks 1, 2, ..."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.token_ids = ids
-        self.start_position = 0
-        self.block_table = list(range(1, 1 + -(-len(ids) // 16)))
-        self.prev_step_row = None
