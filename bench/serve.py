@@ -49,6 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
     p.add_argument("--model", help="model name in requests (default: the server's first)")
     p.add_argument("--server-args", default="", help='extra `jvllm serve` flags, "--a 1 --b 2"')
+    p.add_argument("--speculative-config", help="the server's --speculative-config (a JSON object)")
     p.add_argument("--num-prompts", type=int, help="default: the preset's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", type=Path, help="ShareGPT JSON; default: synthetic lengths")
@@ -315,7 +316,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     server = None
     if args.base_url is None:
-        server = ServerProcess.start(model_dir, preset, shlex.split(args.server_args))
+        extra = shlex.split(args.server_args)
+        if args.speculative_config:
+            extra += ["--speculative-config", args.speculative_config]
+        server = ServerProcess.start(model_dir, preset, extra)
     try:
         base_url = args.base_url or server.base_url
         model = args.model or _first_model(base_url)

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import argparse
 import contextlib
 import gc
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +68,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--quantization",
         choices=("int8", "fp8"),
         help="the continuous engine's linear weights quantized at load",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        help="the continuous engine's speculative decoding, as a JSON object",
     )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-static", action="store_true")
@@ -133,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         policy="continuous",
         preemption_mode=args.preemption_mode,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
     )
     if not args.skip_static:
         blocks = runs["continuous"]["num_kv_blocks"]  # the same KV memory, whatever sized it
@@ -373,6 +380,7 @@ def _engine_run(
     num_blocks: int | None = None,
     preemption_mode: str = "recompute",
     quantization: str | None = None,
+    speculative_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from jvllm import LLM
 
@@ -389,6 +397,7 @@ def _engine_run(
         scheduling_policy=policy,
         preemption_mode=preemption_mode if policy == "continuous" else "recompute",
         quantization=quantization,
+        speculative_config=speculative_config,
     )
     start_s = time.perf_counter() - started
     common.log(f"jvllm {policy}: started in {start_s:.1f} s; running {len(requests)} requests ...")
@@ -401,6 +410,7 @@ def _engine_run(
         weight_bytes=llm.engine.runner.model.weight_bytes,
     )
     metrics = llm.get_metrics()
+    run["spec_decode"] = {k: v for k, v in metrics.items() if k.startswith("spec_decode_")}
     moved = metrics["num_swapped_out_blocks"] + metrics["num_swapped_in_blocks"]
     spec = llm.engine.runner.spec
     block_bytes = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim

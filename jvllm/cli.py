@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -68,6 +69,12 @@ _HELP = {
     "generation_config": "auto (the model's generation_config.json supplies request defaults), "
     "vllm (ignore its sampling defaults) or a directory holding one",
     "max_logprobs": "most logprobs and prompt_logprobs a request may ask for",
+    "speculative_config": 'speculative decoding, a JSON object: {"method": "ngram", '
+    '"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    "speculative_model": "the older spelling: [ngram]",
+    "num_speculative_tokens": "draft tokens per step (with --speculative-model)",
+    "ngram_prompt_lookup_max": "longest suffix n-gram to look up (with --speculative-model)",
+    "ngram_prompt_lookup_min": "shortest suffix n-gram to look up (with --speculative-model)",
 }
 
 
@@ -100,6 +107,11 @@ _GROUPS = {
     "num_processes": "ParallelConfig",
     "process_id": "ParallelConfig",
     "compilation_cache_dir": "CompilationConfig",
+    "speculative_config": "SpeculativeConfig",
+    "speculative_model": "SpeculativeConfig",
+    "num_speculative_tokens": "SpeculativeConfig",
+    "ngram_prompt_lookup_max": "SpeculativeConfig",
+    "ngram_prompt_lookup_min": "SpeculativeConfig",
 }
 _GROUP_ORDER = (
     "ModelConfig",
@@ -108,6 +120,7 @@ _GROUP_ORDER = (
     "SchedulerConfig",
     "ParallelConfig",
     "CompilationConfig",
+    "SpeculativeConfig",
     "EngineArgs",  # fields not in _GROUPS yet
 )
 _ALIASES = {"tensor_parallel_size": ["-tp"], "compilation_config": ["-O"]}
@@ -157,13 +170,26 @@ def _add_flag(
     group.add_argument(*flags, **kwargs)
 
 
-def _base_type(hint: Any) -> type:
-    """`int | None` -> int; a plain type stays itself."""
+def _base_type(hint: Any) -> Any:
+    """`int | None` -> int; a dict is parsed from JSON; a plain type stays itself."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         members = [a for a in typing.get_args(hint) if a is not type(None)]
         assert len(members) == 1, f"unsupported EngineArgs annotation {hint}"
-        return members[0]
+        return _base_type(members[0])
+    if typing.get_origin(hint) is dict:
+        return json_object
     return hint
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value (argparse reports the ValueError as a bad value)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def build_serve_parser(add_help: bool = True) -> argparse.ArgumentParser:

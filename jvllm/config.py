@@ -133,9 +133,98 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The most draft tokens one row verifies (each costs a logits row of the step).
+MAX_SPECULATIVE_TOKENS = 16
+_SPECULATIVE_KEYS = frozenset(
+    ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: a proposer guesses `num_speculative_tokens` tokens per
+    decode row, the target model scores them all in one step and keeps the longest run
+    it agrees with. `method="ngram"` looks the guesses up in the request's own prompt
+    and output (prompt_lookup_min..max tokens of suffix matched); `"draft_model"` asks a
+    smaller model with the same vocabulary (`model`)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict spelling; "[ngram]" and a bare `model` (a draft) are accepted."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown}; known: {sorted(_SPECULATIVE_KEYS)}"
+            )
+        method, model = value.get("method"), value.get("model")
+        if method in (None, "[ngram]") and model == "[ngram]":
+            method, model = "ngram", None
+        if method == "[ngram]":
+            method = "ngram"
+        if method is None:
+            if model is None:
+                raise ValueError("speculative_config needs a 'method' or a draft 'model'")
+            method = "draft_model"
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        if method == "ngram":
+            # vLLM's defaults: 5 and 5, or the one given for both.
+            lookup_max = lookup_max if lookup_max is not None else lookup_min or 5
+            lookup_min = lookup_min if lookup_min is not None else lookup_max
+        return cls(
+            method=method,
+            num_speculative_tokens=value["num_speculative_tokens"],
+            prompt_lookup_max=lookup_max or 0,
+            prompt_lookup_min=lookup_min or 0,
+            model=model,
+        )
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        if self.method == "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                n = getattr(self, name)
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(
+                        f"speculative_config {name} must be an integer >= 1, got {n!r}"
+                    )
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(
+                    f"speculative_config prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                    f"prompt_lookup_max={self.prompt_lookup_max}"
+                )
+            if self.model is not None:
+                raise ValueError("speculative_config method 'ngram' takes no 'model'")
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                f"speculative_config method {self.method!r} needs 'model', a checkpoint path"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None = None

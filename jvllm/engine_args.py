@@ -18,7 +18,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jvllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.generation_config import generation_config_dir
 from jvllm.models.loader import LoadedModel, load_model
@@ -70,13 +77,46 @@ class EngineArgs:
     # Request defaults and caps (vLLM's names): see jvllm.generation_config.
     generation_config: str = "auto"
     max_logprobs: int = MAX_LOGPROBS
+    # Speculative decoding (vLLM's names): {"method": "ngram", "num_speculative_tokens":
+    # 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; see SpeculativeConfig. The
+    # older spelling: speculative_model="[ngram]" with num_speculative_tokens and
+    # ngram_prompt_lookup_max/min.
+    speculative_config: dict[str, Any] | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    def speculative(self) -> SpeculativeConfig | None:
+        """The SpeculativeConfig of either spelling; ValueError naming a bad field."""
+        old = {
+            "model": self.speculative_model,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "prompt_lookup_max": self.ngram_prompt_lookup_max,
+            "prompt_lookup_min": self.ngram_prompt_lookup_min,
+        }
+        old = {k: v for k, v in old.items() if v is not None}
+        if self.speculative_config is not None and old:
+            raise ValueError(
+                "give speculative_config or speculative_model/num_speculative_tokens, not both"
+            )
+        if old and "model" not in old:
+            raise ValueError(f"{sorted(old)} need speculative_model (e.g. '[ngram]')")
+        value = self.speculative_config if self.speculative_config is not None else old
+        return SpeculativeConfig.from_dict(value) if value else None
+
     def create_engine(self) -> LLMEngine:
         _check_cpu_offload(self.cpu_offload_gb)
+        speculative = self.speculative()
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"speculative_config method {speculative.method!r} is not implemented yet; "
+                "use 'ngram'"
+            )
         enable_compilation_cache(self.compilation_cache_dir)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
@@ -116,12 +156,13 @@ class EngineArgs:
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler)
         num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler)
+        lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         runner = ModelRunner(
-            loaded, num_blocks, cache, scheduler, mesh, num_host_blocks + num_tier_blocks
+            loaded, num_blocks, cache, scheduler, mesh, num_host_blocks + num_tier_blocks, lookahead
         )
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
-        config = EngineConfig(model_config, cache, scheduler, parallel)
+        config = EngineConfig(model_config, cache, scheduler, parallel, speculative)
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
         return LLMEngine(

@@ -40,7 +40,14 @@ _COUNTERS = {
         "num_recomputed_tokens",
         "Computed tokens dropped by recompute preemption",
     ),
+    "jvllm:spec_decode_num_drafts": ("spec_decode_num_drafts", "Rows that verified drafts"),
+    "jvllm:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "jvllm:spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+    ),
 }
+_PER_POSITION = "jvllm:spec_decode_num_accepted_tokens_per_pos"
 _HISTOGRAMS = {
     QUEUE_TIME: ("jvllm:request_queue_time_seconds", "Arrival to first scheduled step"),
     TTFT: ("jvllm:time_to_first_token_seconds", "Arrival to first generated token"),
@@ -63,6 +70,14 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(values.get(key, 0)))
         for name, (key, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(values.get(key, 0)))
+        per_pos = values.get("spec_decode_num_accepted_tokens_per_pos") or []
+        if per_pos:
+            family = CounterMetricFamily(
+                _PER_POSITION, "Draft tokens accepted, by draft position", labels=["position"]
+            )
+            for position, count in enumerate(per_pos):
+                family.add_metric([str(position)], float(count))
+            yield family
 
 
 class ServerMetrics:

@@ -161,7 +161,9 @@ class KVCacheManager:
             assert not table and request.num_computed_tokens == 0, request
             prefix, start = cached_prefix, cached_prefix.num_tokens
         end = start + num_new_tokens
-        assert end <= request.num_tokens_with_placeholders, (request, num_new_tokens)
+        # Draft tokens (speculative decoding) take slots past the known tokens.
+        limit = request.num_tokens_with_placeholders + len(request.spec_token_ids)
+        assert end <= limit, (request, num_new_tokens)
         num_held = len(table) + len(prefix.block_ids)
         num_new_blocks = max(0, cdiv(max(end, num_reserved_tokens), self.block_size) - num_held)
         shared = self._shared_blocks_in(table, start, end)

@@ -10,7 +10,8 @@ With `async_scheduling` (the default) the host never sits between device steps: 
 `step()` schedules and dispatches step N + 1, then waits for step N and commits it,
 so scheduling, packing and detokenization overlap the device's work. Stop checks trail
 by one step; a row dispatched for a request that has since finished is dropped
-unseen, so no extra token is ever emitted.
+unseen, so no extra token is ever emitted. With speculative decoding
+(`spec_decode.py`) each step waits for the one before: the drafts come from its tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
+from jvllm.engine.spec_decode import Speculator, no_spec_metrics, verify
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.token_constraints import constraints_for, step_sampling
 from jvllm.engine.validation import validate_request
@@ -106,7 +108,10 @@ class LLMEngine:
         self._beam_groups: dict[str, BeamGroup] = {}
         self._beams: dict[str, Beam] = {}  # live beam's request id -> the beam
         self._finished_outputs: list[RequestOutput] = []  # aborted before their next step
-        self.async_scheduling = config.scheduler_config.async_scheduling
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        # Drafts are proposed from the tokens of the step before: no overlap.
+        self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -299,10 +304,17 @@ class LLMEngine:
         """Waits for a dispatched step and applies its tokens: stop checks, text, outputs."""
         result = flight.pending.result()
         rows = flight.sched.scheduled
+        # Each row's first sampling row: rows verifying k drafts take 1 + k.
+        at: Sequence[int] = range(len(rows))
+        verified: dict[str, list[int]] | None = None
+        if self.speculator is not None and any(row.num_spec_tokens for row in rows):
+            at, verified = self._verify(rows, result)
         sampled = {
-            row.request_id: int(result.token_ids[i]) for i, row in enumerate(rows) if row.samples
+            row.request_id: int(result.token_ids[at[i]])
+            for i, row in enumerate(rows)
+            if row.samples and not row.num_spec_tokens
         }
-        self.scheduler.update_from_output(flight.sched, sampled)
+        self.scheduler.update_from_output(flight.sched, sampled, verified)
         touched: dict[str, SequenceGroup] = {}
         proposed: dict[str, BeamGroup] = {}
         for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
@@ -317,9 +329,10 @@ class LLMEngine:
             if flight.want_prompt[i]:
                 state.add_prompt_logprobs(row, result.prompt_logprobs[i])
             if row.samples:
-                self.generation_tokens += 1
-                state.add_token(result, i)
-                self._check_stop(state)
+                num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
+                self._add_tokens(state, result, at[i], num)
+                if self.speculator is not None and not state.finished:
+                    self.speculator.propose(state.request, state.constraints.grammar is None)
             touched[state.group_id] = self._groups[state.group_id]
         outputs = [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
@@ -328,6 +341,35 @@ class LLMEngine:
             elif not final_only:
                 outputs.append(group.output())
         return outputs
+
+    def _verify(
+        self, rows: Sequence[ScheduledRequest], result: Any
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """Each row's first sampling row, and what the rows with drafts emit."""
+        assert self.speculator is not None
+        at, verified, next_at = [], {}, 0
+        for row in rows:
+            at.append(next_at)
+            k = row.num_spec_tokens
+            if k and row.samples:
+                drawn = result.token_ids[next_at : next_at + 1 + k]
+                verified[row.request_id] = emitted = verify(row.token_ids[-k:], drawn)
+                self.speculator.observe(k, emitted)
+            next_at += 1 + k
+        return at, verified
+
+    def _add_tokens(self, state: SequenceState, result: Any, at: int, num: int) -> None:
+        """Records the `num` tokens the scheduler appended (sampling rows at, at + 1, ...),
+        checking stops after each: tokens after a stop are dropped."""
+        outputs = state.request.output_token_ids
+        base = len(outputs) - num
+        for j in range(num):
+            self.generation_tokens += 1
+            state.add_token(result, at + j, outputs[base + j])
+            self._check_stop(state, base + j + 1)
+            if state.finished:
+                del outputs[base + j + 1 :]
+                return
 
     def _candidates(self, result: Any, row: int, group_id: str) -> Candidates:
         k = self._beam_groups[group_id].num_candidates
@@ -363,10 +405,11 @@ class LLMEngine:
             self.scheduler.finish_request(beam.request.request_id, status)
         del self._beam_groups[group.request_id]
 
-    def _check_stop(self, state: SequenceState) -> None:
+    def _check_stop(self, state: SequenceState, num_out: int) -> None:
+        """Whether the sequence stops at its first `num_out` output tokens."""
         request, params = state.request, state.request.sampling_params
-        token = request.output_token_ids[-1]
-        num_out = len(request.output_token_ids)
+        token = request.output_token_ids[num_out - 1]
+        num_tokens = request.num_prompt_tokens + num_out
         stopped, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
         reason: tuple[RequestStatus, int | str | None] | None = None
         grammar = state.constraints.grammar
@@ -379,7 +422,7 @@ class LLMEngine:
         elif num_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
             reason = (stopped, None)
         elif num_out >= (params.max_tokens or self.max_model_len) or (
-            request.num_tokens >= self.max_model_len
+            num_tokens >= self.max_model_len
         ):
             reason = (length, None)
         if reason is not None:
@@ -396,15 +439,18 @@ class LLMEngine:
         del self._groups[group.request_id]
         for child_id in group.child_ids:
             self._seqs.pop(child_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(child_id)
             self._masked.discard(child_id)
             self._late.discard(child_id)
         return group.output()
 
     # -- metrics --
 
-    def get_metrics(self) -> dict[str, float]:
+    def get_metrics(self) -> dict[str, Any]:
         st = self.scheduler.stats()
-        return {
+        spec = self.speculator.metrics() if self.speculator is not None else no_spec_metrics()
+        return spec | {
             "num_requests_running": st.num_running,
             "num_requests_waiting": st.num_waiting,
             "kv_cache_usage_perc": st.kv_cache_usage_perc,

@@ -78,6 +78,9 @@ class Request:
         # Prefix-cache hit tokens at the first admission; None until admitted.
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Draft tokens a speculative proposer guessed to follow output_token_ids; the
+        # next decode row verifies them (they are never part of the sequence).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

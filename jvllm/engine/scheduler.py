@@ -15,6 +15,13 @@ last token is still on the device holds an output placeholder, and its next row 
 decode token) names the row of the previous step whose sampled token it feeds back
 (`prev_step_row`), resolved on the device. `num_computed_tokens` advances when a step
 is scheduled. The engine checks stop conditions and calls `finish_request()` itself.
+
+Speculative decoding: a decode row carries the request's draft tokens
+(`Request.spec_token_ids`, set by the engine's proposer) after its input token, as
+lookahead slots within the token budget (fewer, or none, when the budget or the free
+blocks run short). Committing the row appends the tokens the target kept and rolls
+`num_computed_tokens` back over the rejected drafts: their K/V slots are rewritten by
+later steps and never enter the prefix cache, which registers only known tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class ScheduledRequest:
     # Set when the row's one token is the one the previous step's row of this index
     # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
     prev_step_row: int | None = None
+    # The last this many of token_ids are draft tokens to verify (speculative decoding).
+    num_spec_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,8 +181,15 @@ class Scheduler:
             blocks_to_swap_in=step.swap_in + onloads,
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Commit a step: the sampled tokens replace their placeholders.
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        verified: dict[str, list[int]] | None = None,
+    ) -> None:
+        """Commit a step: the sampled tokens replace their placeholders. A row with draft
+        tokens gives `verified[request_id]` instead: the drafts the target kept, then the
+        token it sampled after them.
 
         A request preempted since the step was scheduled keeps its token (the step did
         compute it); one finished since then is gone and its row is ignored.
@@ -190,7 +206,16 @@ class Scheduler:
                 # Its group picks the next token from the row's candidates (replace_beams).
                 request.awaiting_selection = request.status is RequestStatus.RUNNING
                 continue
-            request.output_token_ids.append(sampled[row.request_id])
+            if row.num_spec_tokens:
+                assert verified is not None, row
+                tokens = verified[row.request_id]
+                assert 1 <= len(tokens) <= row.num_spec_tokens + 1, (row, tokens)
+                request.output_token_ids += tokens
+                if request.status is RequestStatus.RUNNING:
+                    # The rejected drafts' K/V count no more; later steps overwrite it.
+                    request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
+            else:
+                request.output_token_ids.append(sampled[row.request_id])
             if request.status is RequestStatus.RUNNING:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
@@ -275,9 +300,10 @@ class Scheduler:
                         request.num_tokens_with_placeholders - request.num_computed_tokens,
                         step.budget,
                     )
-                    if not self._allocate(step, request, num_new, [request]):
+                    drafts = self._lookahead(request, num_new, step.budget)
+                    if not drafts and not self._allocate(step, request, num_new, [request]):
                         return
-                    self._add_row(step, request, num_new)
+                    self._add_row(step, request, num_new, drafts)
                 index += 1
                 continue
             unit = self._unit_at(index)
@@ -286,6 +312,20 @@ class Scheduler:
             if todo and not self._schedule_unit(step, unit, todo):
                 return
             index += len(unit)
+
+    def _lookahead(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The draft tokens a decode row verifies this step, with their slots allocated:
+        as many as the budget leaves room for; none when the blocks do not suffice."""
+        drafts = request.spec_token_ids[: budget - 1]
+        if not drafts:
+            return []
+        # A prompt chunk, or a token still on the device, has nothing to verify.
+        fits = (
+            num_new == 1
+            and request.num_tokens - request.num_computed_tokens == 1
+            and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        )
+        return drafts if fits else []
 
     def _schedule_unit(self, step: _Step, unit: list[Request], todo: list[Request]) -> bool:
         """Schedules `todo` (the unit's requests with work) all together or not at all;
@@ -498,8 +538,11 @@ class Scheduler:
             assert fits, request
             self._add_row(step, request, num_new)
 
-    def _add_row(self, step: _Step, request: Request, num_new: int) -> None:
-        """Schedules positions [computed, computed + num_new) and advances the request."""
+    def _add_row(
+        self, step: _Step, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
+        """Schedules positions [computed, computed + num_new) and advances the request;
+        `drafts` (allocated already) follow at the next positions."""
         start = request.num_computed_tokens
         end = start + num_new
         assert end <= self.scheduler_config.max_model_len, (request, num_new)
@@ -512,6 +555,10 @@ class Scheduler:
         else:
             token_ids = request.get_token_ids(start, end)
         samples = end == request.num_tokens_with_placeholders
+        num_spec = len(drafts) if drafts else 0
+        request.spec_token_ids = []  # proposed for this row only
+        if num_spec:
+            token_ids = token_ids + drafts
         step.rows.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -520,11 +567,12 @@ class Scheduler:
                 block_table=self.kv_cache_manager.get_block_table(request.request_id),
                 samples=samples,
                 prev_step_row=prev_step_row,
+                num_spec_tokens=num_spec,
             )
         )
         step.starts[request.request_id] = start
-        step.budget -= num_new
-        request.num_computed_tokens = end
+        step.budget -= num_new + num_spec
+        request.num_computed_tokens = end + num_spec
         if samples:
             request.num_output_placeholders += 1
 

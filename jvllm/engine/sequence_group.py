@@ -64,11 +64,17 @@ class SequenceState:
         assert status.is_finished, status
         self.finished_status, self.stop_reason = status, stop_reason
 
-    def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
-        """The sampler's view of this sequence for a scheduled row that samples."""
+    def sampling_row(
+        self, eos_token_ids: frozenset[int], row: ScheduledRequest, drafts: list[int] | None = None
+    ) -> SamplingRow:
+        """The sampler's view of this sequence for a scheduled row that samples; with
+        `drafts`, for the position after them (the row verifies draft tokens, and these
+        are the ones before that position, as if accepted)."""
         r, params = self.request, self.request.sampling_params
+        drafts = drafts or []
         # Tokens sampled before this row's (its own placeholder is already counted).
-        step_index = r.num_outputs_with_placeholders - 1
+        step_index = r.num_outputs_with_placeholders - 1 + len(drafts)
+        outputs = r.output_token_ids + drafts if drafts else r.output_token_ids
         banned: list[int] = []
         if step_index < params.min_tokens:
             # As vLLM: until min_tokens, neither a stop token nor EOS can be chosen.
@@ -81,20 +87,20 @@ class SequenceState:
         if bad_words is not None:
             # Multi-token words need the latest token: the engine commits it first.
             assert not (pending and bad_words.needs_history), r
-            banned += bad_words.banned(r.output_token_ids)
+            banned += bad_words.banned(outputs)
         return SamplingRow(
             params,
             self.seed,
             step_index,
             r.prompt_token_ids,
-            r.output_token_ids,
+            outputs,
             banned,
             pending_output=pending,
         )
 
-    def add_token(self, result: Any, row: int) -> None:
-        """Records the token the scheduler just appended; `result` is the runner's StepResult."""
-        token = self.request.output_token_ids[-1]
+    def add_token(self, result: Any, row: int, token: int) -> None:
+        """Records `token`, the one the scheduler appended from `result` (the runner's
+        StepResult) at its sampling row `row`."""
         if self.logprobs is not None:
             # As vLLM: logprobs (and so the cumulative one) only when the request asks.
             logprob = float(result.logprobs[row])

@@ -118,20 +118,30 @@ def step_sampling(
     compiler: GrammarCompiler,
     vocab_size: int,
 ) -> tuple[list[SamplingRow], np.ndarray | None]:
-    """The step's sampling rows (each state's `sampling_row`), and its token bitmask
-    `i32[rows, W]` where some row's request is in `masked_ids`."""
-    sampling_rows, masked = [], []
-    for i, (state, row) in enumerate(zip(states, rows, strict=True)):
+    """The step's sampling rows (each state's `sampling_row`; 1 + k consecutive ones for
+    a row verifying k draft tokens), and its token bitmask `i32[sampling rows, W]` where
+    some row's request is in `masked_ids`."""
+    sampling_rows: list[SamplingRow] = []
+    masked: list[tuple[int, Constraints]] = []
+    for state, row in zip(states, rows, strict=True):
         if not row.samples or state.finished:  # finished: dropped at commit, unseen
-            sampling_rows.append(IDLE_ROW)
+            sampling_rows += [IDLE_ROW] * (1 + row.num_spec_tokens)
             continue
-        sampling_rows.append(state.sampling_row(eos_token_ids, row))
         if masked_ids and row.request_id in masked_ids:
-            masked.append(i)
+            masked += [
+                (len(sampling_rows) + j, state.constraints) for j in range(1 + row.num_spec_tokens)
+            ]
+        sampling_rows.append(state.sampling_row(eos_token_ids, row))
+        if row.num_spec_tokens:
+            drafts = list(row.token_ids[-row.num_spec_tokens :])
+            sampling_rows += [
+                state.sampling_row(eos_token_ids, row, drafts[:j])
+                for j in range(1, 1 + row.num_spec_tokens)
+            ]
     if not masked:
         return sampling_rows, None
-    bitmask = np.full((len(rows), bitmask_width(vocab_size)), -1, np.int32)
-    constraints = [(i, states[i].constraints) for i in masked]
+    bitmask = np.full((len(sampling_rows), bitmask_width(vocab_size)), -1, np.int32)
+    constraints = masked
     grammars = [(c.grammar, i) for i, c in constraints if c.grammar is not None]
     if grammars:
         fill_bitmasks(compiler.executor, grammars, bitmask)

@@ -29,6 +29,7 @@ class StepRow(Protocol):
     start_position: int
     block_table: Sequence[int]
     prev_step_row: int | None  # row of the previous step whose sample is token_ids[0]
+    num_spec_tokens: int  # the last this many tokens are drafts: each needs its logits
 
 
 @jax.tree_util.register_dataclass
@@ -37,16 +38,24 @@ class ModelInput:
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     attn: AttentionMetadata
-    logits_indices: jax.Array  # [S] int32: row of each sequence's last new token
+    # [L] int32: the token of each logits row: each sequence's last new token, or its
+    # last 1 + k (a row verifying k draft tokens); L = S without speculative decoding.
+    logits_indices: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
-    """The static sizes of one compiled step: padded tokens, rows, block-table width."""
+    """The static sizes of one compiled step: padded tokens, rows, block-table width,
+    and logits rows (0: one per row; more with speculative decoding's draft tokens)."""
 
     num_tokens: int
     num_seqs: int
     width: int
+    num_logits: int = 0
+
+    @property
+    def logits_rows(self) -> int:
+        return self.num_logits or self.num_seqs
 
 
 def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -120,7 +129,7 @@ def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np
     positions[:total] = pos
     slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
     slots[:total] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
-    logits_indices = np.maximum(qsl[1:] - 1, 0).astype(np.int32)
+    logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
     prev_index = np.full(t_pad, -1, np.int32)  # [T]: -1, or a row of the previous step
     prev = np.fromiter((-1 if r.prev_step_row is None else r.prev_step_row for r in rows), int, n)
     fed_back = prev >= 0
@@ -130,11 +139,25 @@ def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np
     )
 
 
+def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -> np.ndarray:
+    """Each row's last 1 + num_spec_tokens token indices, in row order; padding repeats
+    the last real token (its logits are never read)."""
+    n = len(rows)
+    out = np.full(num_logits, max(int(qsl[n]) - 1, 0), np.int32)
+    counts = 1 + np.fromiter((r.num_spec_tokens for r in rows), np.int64, n)
+    total = int(counts.sum())
+    assert total <= num_logits, (total, num_logits)
+    firsts = np.cumsum(counts) - counts  # each row's first logits row
+    within = np.arange(total) - np.repeat(firsts, counts)
+    out[:total] = np.repeat(qsl[1 : n + 1] - counts, counts) + within
+    return out
+
+
 def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> ModelInput:
     """Inverse of `pack_rows`, traced inside jit (static slices are free); placeholder
     tokens become the previous step's samples, `last_sampled` `[R]` int32."""
     t, s, w = shape.num_tokens, shape.num_seqs, shape.width
-    sizes = [t, t, t, s + 1, s, s * w, s, t]
+    sizes = [t, t, t, s + 1, s, s * w, shape.logits_rows, t]
     parts = jnp.split(packed, np.cumsum(sizes)[:-1])
     tokens, positions, slots, qsl, seq_lens, tables, logits_indices, prev_index = parts
     tokens = jnp.where(prev_index >= 0, last_sampled[jnp.maximum(prev_index, 0)], tokens)

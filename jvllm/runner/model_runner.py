@@ -14,7 +14,9 @@ them, so the host can prepare step N + 1 while step N runs.
 
 Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (steps
 of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
-to `min(T, max_num_seqs)`, so one forward program exists per T bucket.
+to `min(T, max_num_seqs)`, so one forward program exists per T bucket. With
+speculative decoding (k draft tokens a row at most) the logits and sampler rows are
+`min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled.
 `num_compilations` counts the programs in the jit caches: each is one compilation.
 """
 
@@ -87,11 +89,12 @@ class PendingStep:
     out: sampler.SamplerOutput  # [S]-padded device arrays
     prompt_logprobs: tuple[jax.Array, ...] | None  # [T, K], [T, K], [T], [T] when asked
     row_lengths: tuple[int, ...]  # new tokens per real row
+    num_sampled: int  # real logits rows: one per row, 1 + k for a row verifying k drafts
 
     def result(self) -> StepResult:
         """Waits for the step and brings its outputs to the host (the one sync)."""
         out, scored = jax.device_get((self.out, self.prompt_logprobs))
-        n = len(self.row_lengths)
+        n = self.num_sampled
         per_row = None
         if scored is not None:
             parts = [split_by_row(np.asarray(a), self.row_lengths) for a in scored]
@@ -110,10 +113,12 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         mesh: Mesh | None = None,
         num_host_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
-        limits fix the buckets and the block-table width."""
+        limits fix the buckets and the block-table width, and `num_lookahead_tokens`
+        (speculative decoding's k) the logits rows a row may need beyond its one."""
         self.model = loaded
         self.mesh = mesh
         self.spec = loaded.spec
@@ -127,7 +132,9 @@ class ModelRunner:
             scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
         )
         self.penalty_buckets = pow2_buckets(MIN_PENALTY_BUCKET, max(max_model_len, 64))
-        self.max_rows = min(self.token_buckets[-1], self.max_num_seqs)  # the largest row bucket
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # The largest logits-row bucket.
+        self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
         self.caches = self._allocate_cache(num_blocks)
         zeros = np.zeros(self.max_rows, np.int32)  # [R]
         # A device array, like the sampler output that replaces it every step: a host
@@ -298,7 +305,9 @@ class ModelRunner:
 
     def batch_shape(self, num_tokens: int) -> BatchShape:
         t = pick_bucket(num_tokens, self.token_buckets)
-        return BatchShape(num_tokens=t, num_seqs=min(t, self.max_num_seqs), width=self.width)
+        rows = min(t, self.max_num_seqs)
+        logits = min(t, self.max_num_seqs * (1 + self.num_lookahead_tokens))
+        return BatchShape(t, rows, self.width, logits if self.num_lookahead_tokens else 0)
 
     def _run_forward(
         self, rows: Sequence[StepRow], shape: BatchShape | None = None
@@ -330,16 +339,18 @@ class ModelRunner:
         the next prompt token to score (prompt logprobs); any id where none is wanted.
         `token_bitmask` `i32[len(rows), ceil(V/32)]` masks the rows' allowed tokens. A
         callable `sampling_rows` is called once the forward is queued, for the sampling
-        rows and the bitmask (host work that overlaps the forward)."""
+        rows and the bitmask (host work that overlaps the forward). A row verifying k
+        draft tokens takes 1 + k consecutive sampling rows (and bitmask rows), one per
+        position it scores."""
         logits, hidden, last_input, shape = self._run_forward(rows)
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
-        assert len(rows) == len(sampling_rows)
+        assert len(sampling_rows) == len(rows) + sum(r.num_spec_tokens for r in rows)
         needed = sampler.penalty_width_needed(sampling_rows)
         width = pick_bucket(needed, self.penalty_buckets) if needed else 0
-        md = sampler.make_sampling_metadata(sampling_rows, shape.num_seqs, width)
+        md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows, width)
         if token_bitmask is not None:
-            padded = np.full((shape.num_seqs, token_bitmask.shape[1]), -1, np.int32)
+            padded = np.full((shape.logits_rows, token_bitmask.shape[1]), -1, np.int32)
             padded[: len(token_bitmask)] = token_bitmask
             logits = self._mask_fn(logits, self._put(padded))
         out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
@@ -349,7 +360,8 @@ class ModelRunner:
             flat = [t for row in prompt_targets for t in row]
             targets[: len(flat)] = flat
             scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
-        return PendingStep(out, scored, tuple(len(r.token_ids) for r in rows))
+        lengths = tuple(len(r.token_ids) for r in rows)
+        return PendingStep(out, scored, lengths, len(sampling_rows))
 
     def execute(
         self,
@@ -382,9 +394,9 @@ class ModelRunner:
         for t in self.token_buckets:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
-            md = sampler.make_sampling_metadata([greedy], shape.num_seqs, 0)
+            md = sampler.make_sampling_metadata([greedy], shape.logits_rows, 0)
             jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
-            mask = self._put(np.full((shape.num_seqs, words), -1, np.int32))
+            mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))
             jax.block_until_ready(self._mask_fn(logits, mask))
             targets = self._put(np.zeros(shape.num_tokens, np.int32))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))

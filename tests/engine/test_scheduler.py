@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from jvllm.config import CacheConfig, SchedulerConfig
@@ -13,6 +14,7 @@ from jvllm.engine import kv_cache_manager
 from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerOutput
+from jvllm.engine.spec_decode import verify
 from jvllm.sampling_params import SamplingParams
 
 BS = 8
@@ -321,11 +323,18 @@ class _Trace:
     With `overlap`, it drives the scheduler as the overlapped engine does: step N + 1 is
     scheduled and "run" before step N is committed, so rows carry placeholders that the
     simulated device resolves from what it sampled, and stop checks trail by a step.
+    With `spec`, every step waits for the one before (as speculative decoding does) and
+    decode rows carry random draft tokens, which the simulated device draws again at
+    each position half the time: rows keep some drafts and roll back over the rest.
     """
 
-    def __init__(self, seed: int, policy: str, prefix_caching: bool, overlap: bool) -> None:
+    def __init__(
+        self, seed: int, policy: str, prefix_caching: bool, overlap: bool, spec: bool = False
+    ) -> None:
         self.overlap = overlap
-        self.pending: tuple[SchedulerOutput, dict[str, int]] | None = None
+        self.spec = spec
+        self.num_kept_drafts = 0
+        self.pending: tuple[SchedulerOutput, dict[str, int], dict[str, list[int]]] | None = None
         self.rng = rng = random.Random(seed)
         self.block_size = rng.choice([8, 16])
         self.max_model_len = rng.choice([24, 40, 64, 96])
@@ -466,15 +475,23 @@ class _Trace:
             for r in self.unfinished.values()
         }
         running_before = {r.request_id for r in self.scheduler.running}
+        if self.spec:
+            self._propose()
+        drafts = {r.request_id: list(r.spec_token_ids) for r in self.unfinished.values()}
         output = self.scheduler.schedule()
+        for row in output.scheduled:  # drafts are taken from the front, or not at all
+            k = row.num_spec_tokens
+            assert not k or list(row.token_ids[-k:]) == drafts[row.request_id][:k]
+            # Consumed or dropped; a request left out keeps them (its tokens are unchanged).
+            assert not self.unfinished[row.request_id].spec_token_ids
         self._check_output(output, running_before, before)
         self._check_blocks()
-        sampled = self._simulate_forward(output)
+        sampled, verified = self._simulate_forward(output)
         if aborts and output.scheduled and self.rng.random() < 0.05:
             self._finish(
                 self.rng.choice(output.scheduled).request_id, RequestStatus.FINISHED_ABORTED
             )
-        previous, self.pending = self.pending, (output, sampled)
+        previous, self.pending = self.pending, (output, sampled, verified)
         if previous is not None:
             self._commit(*previous)
         if not self.overlap or not output.scheduled:  # nothing left on the device
@@ -485,21 +502,39 @@ class _Trace:
         for request_id, request in self.unfinished.items():
             assert request.all_token_ids == self.tokens[request_id]
 
-    def _commit(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        self.scheduler.update_from_output(output, sampled)
+    def _propose(self) -> None:
+        """Random drafts for running decodes, as long as the engine's Speculator allows."""
+        for request in self.scheduler.running:
+            if request.beam_group is not None or self.rng.random() < 0.3:
+                continue
+            room = min(
+                self.max_outputs[request.request_id] - len(request.output_token_ids),
+                self.max_model_len - request.num_tokens,
+            )
+            request.spec_token_ids = self._tokens(self.rng.randint(0, max(0, min(room - 1, 4))))
+
+    def _commit(
+        self, output: SchedulerOutput, sampled: dict[str, int], verified: dict[str, list[int]]
+    ) -> None:
+        self.scheduler.update_from_output(output, sampled, verified)
         for row in output.scheduled:
             request = self.unfinished.get(row.request_id)
             if row.samples and request is not None and request.beam_group is None:
-                self._append(row.request_id, sampled[row.request_id])
+                tokens = verified.get(row.request_id) or [sampled[row.request_id]]
+                for token in tokens:
+                    self._append(row.request_id, token)
+                    if row.request_id not in self.unfinished:
+                        break  # stopped: the rest of the row's tokens are dropped
         self._select_beams()
 
     def _append(self, request_id: str, token: int) -> None:
         """The engine's stop checks: length limits, or an EOS-like stop now and then."""
         self.tokens[request_id].append(token)
         request = self.unfinished[request_id]
+        num_tokens = len(self.tokens[request_id])
         if (
-            request.num_tokens >= self.max_model_len
-            or len(request.output_token_ids) >= self.max_outputs[request_id]
+            num_tokens >= self.max_model_len
+            or num_tokens - request.num_prompt_tokens >= self.max_outputs[request_id]
         ):
             self._finish(request_id, RequestStatus.FINISHED_LENGTH)
         elif self.rng.random() < 0.05:
@@ -539,11 +574,15 @@ class _Trace:
             computed, placeholders = before[row.request_id]
             assert start == computed or (computed == 0 and row.request_id not in running_before)
             assert end == request.num_computed_tokens and start < end <= self.max_model_len
-            if row.prev_step_row is None:
+            if row.num_spec_tokens:
+                known = end - row.num_spec_tokens
+                assert self.spec and row.token_ids[:1] == self.tokens[row.request_id][start:known]
+                assert known == start + 1 == request.num_tokens
+            elif row.prev_step_row is None:
                 assert row.token_ids == self.tokens[row.request_id][start:end]
             else:  # the previous step's sample, still "on the device"
                 assert self.overlap and row.token_ids == [PLACEHOLDER_TOKEN]
-                prev_output, prev_sampled = self.pending
+                prev_output, _, _ = self.pending
                 assert prev_output.scheduled[row.prev_step_row].request_id == row.request_id
                 assert end == len(self.device_tokens[row.request_id])
             assert row.samples == (request.num_output_placeholders == placeholders + 1)
@@ -604,8 +643,11 @@ class _Trace:
         for request in self.scheduler.waiting:
             assert self.kv.get_block_table(request.request_id) == []
 
-    def _simulate_forward(self, output: SchedulerOutput) -> dict[str, int]:
-        """Applies the step's copies and K/V writes; returns what each sampling row drew."""
+    def _simulate_forward(
+        self, output: SchedulerOutput
+    ) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Applies the step's copies and K/V writes; returns what each sampling row drew,
+        and what each row with drafts emits."""
         bs, pool = self.block_size, self.kv.block_pool
         for device, host in output.blocks_to_swap_out:
             for i in range(bs):
@@ -621,7 +663,11 @@ class _Trace:
                 self.cache[dst * bs + i] = value
         for row in output.scheduled:
             start, end = row.start_position, row.start_position + len(row.token_ids)
-            prints = self._fingerprints(row.request_id, end)
+            prints = self._fingerprints(row.request_id, end - row.num_spec_tokens)
+            if row.num_spec_tokens:  # the drafts' K/V, as if they were the sequence
+                prints = list(prints)
+                for token in row.token_ids[1:]:
+                    prints.append(hash((prints[-1], token)))
             for pos in range(start, end):
                 block = row.block_table[pos // bs]
                 # Copy-on-write: a shared block is written only when a request admitted
@@ -629,18 +675,29 @@ class _Trace:
                 if pool.ref_count(block) > 1:
                     assert pos // bs < end // bs and pool.cached_block(block) is not None
                 self.cache[block * bs + pos % bs] = prints[pos]
+        in_flight = {row.request_id: row.num_spec_tokens for row in output.scheduled}
         for request in self.scheduler.running:
-            computed = request.num_computed_tokens
+            # Drafts being verified are not part of the sequence yet.
+            computed = request.num_computed_tokens - in_flight.get(request.request_id, 0)
             prints = self._fingerprints(request.request_id, computed)
             table = self.kv.get_block_table(request.request_id)
             for pos in range(computed):
                 assert self.cache.get(table[pos // bs] * bs + pos % bs) == prints[pos]
-        sampled = {}
+        sampled, verified = {}, {}
         for row in output.scheduled:
-            if row.samples:
+            if row.samples and row.num_spec_tokens:
+                drafts = list(row.token_ids[1:])
+                drawn = [
+                    d if self.rng.random() < 0.5 else self.rng.randrange(self.vocab) for d in drafts
+                ]
+                drawn.append(self.rng.randrange(self.vocab))
+                verified[row.request_id] = emitted = verify(drafts, np.array(drawn))
+                self.num_kept_drafts += len(emitted) - 1
+                self.device_tokens[row.request_id] += emitted
+            elif row.samples:
                 sampled[row.request_id] = token = self.rng.randrange(self.vocab)
                 self.device_tokens[row.request_id].append(token)
-        return sampled
+        return sampled, verified
 
     def _fingerprints(self, request_id: str, length: int) -> list[int]:
         prints, tokens = self.fingerprints[request_id], self.device_tokens[request_id]
@@ -649,18 +706,20 @@ class _Trace:
         return prints
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "spec"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("caching", ["off", "on", "colliding"])
-def test_random_traces_keep_every_invariant(policy, caching, overlap, monkeypatch):
+def test_random_traces_keep_every_invariant(policy, caching, mode, monkeypatch):
     if caching == "colliding":
         # A weak hash: most blocks collide, so only the content checks keep hits correct.
         monkeypatch.setattr(
             kv_cache_manager, "hash_block_tokens", lambda parent, tokens: (parent + sum(tokens)) % 3
         )
-    num_selections = 0
+    num_selections = num_kept = 0
     for seed in range(100):
-        trace = _Trace(seed, policy, caching != "off", overlap)
+        trace = _Trace(seed, policy, caching != "off", mode == "overlap", mode == "spec")
         trace.run(num_groups=12)
         num_selections += trace.num_selections
+        num_kept += trace.num_kept_drafts
     assert policy == "static" or num_selections > 100  # beam searches forked and ran
+    assert mode != "spec" or num_kept > 100  # rows kept drafts and rolled back others

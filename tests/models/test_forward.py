@@ -26,6 +26,7 @@ class Row:
     start_position: int
     block_table: list[int]
     prev_step_row: int | None = None
+    num_spec_tokens: int = 0
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:  # [len(ids), V]

@@ -22,6 +22,7 @@ class Row:
     start_position: int
     block_table: list[int]
     prev_step_row: int | None = None
+    num_spec_tokens: int = 0
 
 
 def random_rows(rng: np.random.Generator, block_size: int) -> list[Row]:
@@ -74,3 +75,24 @@ def test_placeholder_tokens_come_from_the_previous_step():
     inp = unpack(pack_rows(rows, shape, 8), shape, last_sampled)
     assert list(np.asarray(inp.token_ids)[:4]) == [1, 2, 73, 70]
     assert (np.asarray(inp.token_ids)[4:] == 0).all()
+
+
+def test_rows_verifying_drafts_get_a_logits_row_per_position():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        rows = random_rows(rng, 8)
+        for r in rows:
+            r.num_spec_tokens = int(rng.integers(0, len(r.token_ids)))
+        total = sum(len(r.token_ids) for r in rows)
+        shape = BatchShape(
+            pick_bucket(total, pow2_buckets(16, 256)), 8, 8, num_logits=max(total, 1)
+        )
+        inp = unpack(pack_rows(rows, shape, 8), shape, np.zeros(8, np.int32))
+        qsl = np.asarray(inp.attn.query_start_loc)
+        want = [
+            j
+            for i, r in enumerate(rows)
+            for j in range(qsl[i + 1] - 1 - r.num_spec_tokens, qsl[i + 1])
+        ]
+        got = np.asarray(inp.logits_indices)
+        assert got.shape == (shape.num_logits,) and list(got[: len(want)]) == want
