@@ -94,12 +94,21 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speculative-config", type=json.loads, default=DEFAULT_SPEC)
+    ap.add_argument(
+        "--draft-model",
+        help="also run a draft model (a checkpoint with the demo's vocabulary; 'demo': "
+        "the demo model drafting for itself, every greedy draft kept: the ceiling)",
+    )
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "spec_decode.json")
     args = ap.parse_args(argv)
     result = common.envelope(__file__, argv)
     prompts = chat_prompts(args.num_prompts)
     configs = {"none": None, args.speculative_config["method"]: args.speculative_config}
+    if args.draft_model:
+        draft = str(demo_model_path()) if args.draft_model == "demo" else args.draft_model
+        configs["draft"] = {"model": draft, "num_speculative_tokens": args.num_draft_tokens}
     table, runs = [], {}
     for c in [int(x) for x in args.concurrency.split(",")]:
         engine_args = {**DEMO_ENGINE_DEFAULTS, "max_num_seqs": c}
@@ -135,7 +144,7 @@ def main(argv: list[str]) -> None:
         model=str(demo_model_path()),
         num_prompts=args.num_prompts,
         max_tokens=args.max_tokens,
-        speculative_config=args.speculative_config,
+        speculative_configs={k: v for k, v in configs.items() if v},
         results=runs,
         same_outputs=True,
     )

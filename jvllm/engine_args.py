@@ -112,11 +112,6 @@ class EngineArgs:
     def create_engine(self) -> LLMEngine:
         _check_cpu_offload(self.cpu_offload_gb)
         speculative = self.speculative()
-        if speculative is not None and speculative.method != "ngram":
-            raise ValueError(
-                f"speculative_config method {speculative.method!r} is not implemented yet; "
-                "use 'ngram'"
-            )
         enable_compilation_cache(self.compilation_cache_dir)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
@@ -136,6 +131,12 @@ class EngineArgs:
             self.quantization or "none",
         )
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            tokenizer = self.tokenizer or self.model
+            draft = _load_draft(
+                speculative.model, self.dtype, backend, mesh, loaded, max_model_len, tokenizer
+            )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -154,11 +155,18 @@ class EngineArgs:
             kv_offloading_size=self.kv_offloading_size,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        num_blocks = self._num_blocks(loaded, cache, scheduler)
-        num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler)
+        num_blocks = self._num_blocks(loaded, cache, scheduler, draft)
+        num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler, draft)
         lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         runner = ModelRunner(
-            loaded, num_blocks, cache, scheduler, mesh, num_host_blocks + num_tier_blocks, lookahead
+            loaded,
+            num_blocks,
+            cache,
+            scheduler,
+            mesh,
+            num_host_blocks + num_tier_blocks,
+            lookahead,
+            draft,
         )
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
@@ -177,7 +185,11 @@ class EngineArgs:
         )
 
     def _num_host_blocks(
-        self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        draft: LoadedModel | None = None,
     ) -> tuple[int, int]:
         """Host blocks for swap preemption (swap_space GiB per device) and for the prefix
         cache's host tier (kv_offloading_size GiB), checked against the host memory
@@ -196,8 +208,7 @@ class EngineArgs:
                 f"{available / memory.GIB:.1f} GiB of host memory available; lower "
                 "--swap-space or --kv-offloading-size"
             )
-        itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
-        per_block = memory.kv_block_bytes(loaded.spec, cache.block_size, itemsize, tp)
+        per_block = _block_bytes(loaded, cache, tp, draft)
         # No more than every sequence at full length could ever swap out.
         useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
         num_swap = min(memory.host_block_count(swap, per_block), useful)
@@ -211,15 +222,16 @@ class EngineArgs:
         return num_swap, num_tier
 
     def _num_blocks(
-        self, loaded: LoadedModel, cache: CacheConfig, scheduler: SchedulerConfig
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        draft: LoadedModel | None = None,
     ) -> int:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         spec = loaded.spec
-        itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
-        per_block = memory.kv_block_bytes(
-            spec, cache.block_size, itemsize, self.tensor_parallel_size
-        )
+        per_block = _block_bytes(loaded, cache, self.tensor_parallel_size, draft)
         stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:
             # Free device memory after the weights, less a margin for activations.
@@ -242,6 +254,55 @@ class EngineArgs:
             cache.block_size,
         )
         return size.num_blocks
+
+
+def _block_bytes(
+    loaded: LoadedModel, cache: CacheConfig, tp: int, draft: LoadedModel | None
+) -> int:
+    """Bytes per device of one KV block: the target's layers and a draft model's."""
+    itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
+    models = [loaded] + ([draft] if draft is not None else [])
+    return sum(memory.kv_block_bytes(m.spec, cache.block_size, itemsize, tp) for m in models)
+
+
+def _load_draft(
+    path: str | None,
+    dtype: str,
+    backend: str,
+    mesh: Any,
+    target: LoadedModel,
+    max_model_len: int,
+    target_tokenizer: str,
+) -> LoadedModel:
+    """The draft model of speculative decoding, checked against the target: the same
+    vocabulary (size and, where the draft has a tokenizer, the same token ids) and room
+    for max_model_len positions."""
+    assert path is not None
+    draft = load_model(path, dtype, backend, mesh)
+    if draft.spec.vocab_size != target.spec.vocab_size:
+        raise ValueError(
+            f"speculative_config model {path!r}: its vocabulary has {draft.spec.vocab_size} "
+            f"tokens, the target's {target.spec.vocab_size}; a draft model must share the "
+            "target's tokenizer"
+        )
+    if draft.spec.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_config model {path!r}: max_position_embeddings="
+            f"{draft.spec.max_position_embeddings} is shorter than max_model_len="
+            f"{max_model_len}; lower max_model_len"
+        )
+    if any(Path(path).glob("tokenizer*")):
+        from transformers import AutoTokenizer
+
+        ours = AutoTokenizer.from_pretrained(path).get_vocab()
+        theirs = AutoTokenizer.from_pretrained(target_tokenizer).get_vocab()
+        if ours != theirs:
+            raise ValueError(
+                f"speculative_config model {path!r}: its tokenizer maps tokens to other ids "
+                "than the target's; a draft model must share the target's tokenizer"
+            )
+    logger.info("Draft model: %s (%.1f MiB)", path, draft.weight_bytes / 2**20)
+    return draft
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:

@@ -263,3 +263,8 @@ class SamplingRow:
     # The latest output token is still on the device (not in output_token_ids): it is
     # the row's input token, and the sampler adds it to the penalty history there.
     pending_output: bool = False
+    # Speculative decoding with a draft model: the draft token proposed for this
+    # position and the row of the proposal's probabilities q that it was drawn from
+    # (-1: none; the sampler then draws as usual).
+    draft_token_id: int = -1
+    draft_q_row: int = -1

@@ -34,7 +34,8 @@ def test_next_token_agreement_with_a_bfloat16_cache() -> None:
     chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(16)]
     argmax, sequences = {}, None
     for kv in ("auto", "fp8"):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv)
+        # A budget of 128 holds every sequence: few token buckets to compile.
+        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=128, max_num_seqs=16)
         assert str(llm.engine.runner.kv_dtype) == ("bfloat16" if kv == "auto" else "float8_e4m3fn")
         if sequences is None:
             outs = llm.chat(chats, params, use_tqdm=False)

@@ -28,7 +28,8 @@ NGRAM = {
     "prompt_lookup_min": 1,
 }
 # Budget 16 chunks every prompt; 26 blocks of 16 force preemptions.
-SMALL = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128)
+# Few token buckets: quick to warm up.
+SMALL = dict(max_model_len=384, max_num_seqs=8, max_num_batched_tokens=32)
 ENGINE = dict(
     max_model_len=384, max_num_seqs=16, max_num_batched_tokens=16, num_gpu_blocks_override=26
 )
@@ -89,7 +90,10 @@ def _stopping_params(reference: list) -> list[SamplingParams]:
     return params
 
 
-def test_ngram_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, tokenizer_dir):
+def test_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, drafts, tokenizer_dir):
+    """n-gram lookup: every kind of request; a draft model: greedy ones (seeded
+    sampling through its rejection sampler is equal in distribution, not token for
+    token: see the chi-square test)."""
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
@@ -99,6 +103,8 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints,
     plain = LLM(str(checkpoints[arch]), **ENGINE)
     want = _outputs(plain, ps, params)
     want_greedy = _outputs(plain, ps, [greedy] * len(ps))
+    pairs = [SamplingParams(temperature=0.0, max_tokens=24, n=2, ignore_eos=True)] * 4
+    want_pairs = _outputs(plain, ps[:4], pairs)  # n > 1: siblings fork the prompt's blocks
     stopping = _stopping_params(want_greedy)
     want_stops = _outputs(plain, ps, stopping)
     del plain
@@ -106,12 +112,28 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints,
     assert _outputs(spec, ps, params) == want
     assert _outputs(spec, ps, [greedy] * len(ps)) == want_greedy
     assert _outputs(spec, ps, stopping) == want_stops
+    # A seeded request alone draws what it drew in the batch.
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and p.n == 1]
+    assert all(_outputs(spec, ps[i : i + 1], params[i : i + 1]) == want[i : i + 1] for i in seeded)
     m = spec.get_metrics()
     assert m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
     assert m["spec_decode_num_accepted_tokens"] > 50  # the drafts did save steps
     assert m["spec_decode_num_accepted_tokens"] == sum(m["spec_decode_num_accepted_tokens_per_pos"])
     assert m["spec_decode_num_draft_tokens"] >= m["spec_decode_num_drafts"] > 0
     assert m["num_free_blocks"] == m["num_total_blocks"]  # nothing leaked
+    del spec
+    # llama drafts for itself: every greedy draft must be kept.
+    draft = str(checkpoints[arch]) if arch == "llama" else drafts[arch]
+    config = {"model": draft, "num_speculative_tokens": 3}
+    drafted = LLM(str(checkpoints[arch]), speculative_config=config, **ENGINE)
+    assert _outputs(drafted, ps, [greedy] * len(ps)) == want_greedy
+    assert _outputs(drafted, ps[:4], pairs) == want_pairs
+    assert _outputs(drafted, ps, stopping) == want_stops
+    m = drafted.get_metrics()
+    assert m["num_preemptions"] > 0 and m["spec_decode_num_drafts"] > 0
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    if arch == "llama":
+        assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
 
 
 def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_dir):
@@ -129,25 +151,15 @@ def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_d
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_seeded_requests_are_batch_invariant_under_speculation(checkpoints):
-    llm = LLM(str(checkpoints["llama"]), speculative_config=NGRAM, **SMALL)
-    ps = prompts(seed=7)
-    seeded = SamplingParams(
-        temperature=0.8, top_k=20, seed=42, max_tokens=30, frequency_penalty=0.3
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_compilations_after_warm_up_with_speculation(method, checkpoints, drafts):
+    config = (
+        NGRAM if method == "ngram" else {"model": drafts["mistral"], "num_speculative_tokens": 3}
     )
-    alone = llm.generate(token_prompts(ps[:1]), seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=int(n)) for n in range(5, 5 + len(ps) - 1)]
-    mixed = llm.generate(token_prompts(ps), [seeded, *others], use_tqdm=False)
-    assert mixed[0].outputs[0].token_ids == alone
-
-
-def test_no_compilations_after_warm_up_with_speculation(checkpoints):
     llm = LLM(
         str(checkpoints["mistral"]),
-        speculative_config=NGRAM,
-        max_model_len=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
+        speculative_config=config,
+        **SMALL,
     )
     before = llm.get_metrics()["num_compilations"]
     rng = np.random.default_rng(3)
@@ -216,3 +228,107 @@ def test_both_spellings_of_the_config():
         ).speculative()
     with pytest.raises(ValueError, match="need speculative_model"):
         EngineArgs(model="m", num_speculative_tokens=2).speculative()
+
+
+# -- a draft model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafts(checkpoints, tokenizer_dir, tmp_path_factory) -> dict[str, str]:
+    """arch -> a one-layer draft of it with other random weights (same tokenizer)."""
+    from jvllm.testing import make_checkpoint
+
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        arch: str(make_checkpoint(arch, root / arch, tokenizer_dir, seed=1, num_hidden_layers=1))
+        for arch in checkpoints
+    }
+
+
+def _tiny_vocab_pair(root, vocab: int) -> tuple[str, str]:
+    from jvllm.testing import make_checkpoint
+    from jvllm.testing.checkpoints import write_word_tokenizer
+
+    write_word_tokenizer(root / "tok", vocab)
+    wide = dict(initializer_range=0.5)  # spread logits: distributions far from uniform
+    target = make_checkpoint("llama", root / "target", root / "tok", seed=0, **wide)
+    draft = make_checkpoint(
+        "llama", root / "draft", root / "tok", seed=5, num_hidden_layers=1, **wide
+    )
+    return str(target), str(draft)
+
+
+def _chi_square_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's test, cells expecting fewer than 5 pooled into one."""
+    from scipy.stats import chisquare
+
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def test_draft_model_sampling_follows_the_target_distribution(tmp_path):
+    """2000 seeded requests, temperature 1, 2 drafts a step from a draft model whose
+    distribution differs from the target's: the joint distribution of the first two
+    tokens (the second verified by the rejection sampler) and the marginal of the third
+    match the target's exact ones, from Transformers' probabilities, by Pearson's
+    chi-square at significance 1e-3. (The sampler's own test shows the same test
+    rejects sampling without the residual correction.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab, n, prompt = 8, 2000, [4, 5, 6]
+    target, draft = _tiny_vocab_pair(tmp_path, vocab)
+    hf = {
+        name: AutoModelForCausalLM.from_pretrained(path).eval()
+        for name, path in (("target", target), ("draft", draft))
+    }
+
+    def probs(model, prefixes: list[list[int]]) -> np.ndarray:  # [len(prefixes), V]
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes)).logits[:, -1].double()
+        return torch.softmax(logits, -1).numpy()
+
+    p1 = probs(hf["target"], [prompt])[0]
+    p2 = probs(hf["target"], [prompt + [a] for a in range(vocab)])  # [x1, x2]
+    p3 = probs(hf["target"], [prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    joint12 = p1[:, None] * p2  # [V, V]
+    marginal3 = (joint12.reshape(-1, 1) * p3).sum(0)
+    q2 = probs(hf["draft"], [prompt + [a] for a in range(vocab)])
+    assert 0.5 * np.abs(q2 - p2).sum(-1).mean() > 0.2  # the draft disagrees a good deal
+
+    config = {"model": draft, "num_speculative_tokens": 2}
+    engine = dict(max_model_len=64, max_num_seqs=16, max_num_batched_tokens=48)
+    llm = LLM(target, speculative_config=config, **engine)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)
+    ]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [n, 4]
+    m = llm.get_metrics()
+    rate = m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_draft_tokens"]
+    assert 0.05 < rate < 0.95  # drafts were both kept and replaced
+    counts12 = np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
+    assert _chi_square_pvalue(counts12, n * joint12.ravel()) > 1e-3
+    counts3 = np.bincount(tokens[:, 2], minlength=vocab)
+    assert _chi_square_pvalue(counts3, n * marginal3) > 1e-3
+    # Seeded requests draw the same alone as in the batch (drafts and q included).
+    for s in (0, 17):
+        alone = llm.generate([{"prompt_token_ids": prompt}], params[s], use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == list(tokens[s])
+
+
+def test_a_draft_model_must_fit_the_target(checkpoints, tokenizer_dir, tmp_path):
+    from jvllm.testing import make_checkpoint
+    from jvllm.testing.checkpoints import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path / "tok", 40)
+    other_vocab = make_checkpoint("llama", tmp_path / "v", tmp_path / "tok")
+    short = make_checkpoint("llama", tmp_path / "s", tokenizer_dir, max_position_embeddings=128)
+    target = str(checkpoints["llama"])
+    for draft, message in ((other_vocab, "vocabulary has 40 tokens"), (short, "shorter than")):
+        config = {"model": str(draft), "num_speculative_tokens": 2}
+        with pytest.raises(ValueError, match=message):
+            LLM(target, speculative_config=config, max_model_len=256)

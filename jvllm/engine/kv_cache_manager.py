@@ -61,10 +61,17 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_host_blocks: int = 0,
         num_tier_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         """Host blocks 1..num_host_blocks hold swapped-out requests; the next
-        `num_tier_blocks` are the prefix cache's host tier (with prefix caching on)."""
+        `num_tier_blocks` are the prefix cache's host tier (with prefix caching on).
+        `num_lookahead_tokens` more positions (up to `max_model_len`) are covered past
+        every allocation: a draft model writes its proposals' K/V there."""
+        assert not num_lookahead_tokens or max_model_len is not None
         self.block_size = block_size
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len or 0
         self.enable_prefix_caching = enable_prefix_caching
         self.host_tier = None
         if num_tier_blocks and enable_prefix_caching:
@@ -145,10 +152,15 @@ class KVCacheManager:
         """
         assert num_new_tokens >= 1, num_new_tokens
         table = self._block_tables.get(request.request_id, [])
+        ahead = 0
+        if self.num_lookahead_tokens:
+            start = cached_prefix.num_tokens if cached_prefix else request.num_computed_tokens
+            limit = self.max_model_len - start - num_new_tokens
+            ahead = max(0, min(self.num_lookahead_tokens, limit))
         if (
             cached_prefix is None
             and not num_reserved_tokens
-            and self._fits_privately(table, request.num_computed_tokens, num_new_tokens)
+            and self._fits_privately(table, request.num_computed_tokens, num_new_tokens + ahead)
         ):
             # Fast path (most decode steps): the tokens land in the request's own last block.
             end = request.num_computed_tokens + num_new_tokens
@@ -165,7 +177,8 @@ class KVCacheManager:
         limit = request.num_tokens_with_placeholders + len(request.spec_token_ids)
         assert end <= limit, (request, num_new_tokens)
         num_held = len(table) + len(prefix.block_ids)
-        num_new_blocks = max(0, cdiv(max(end, num_reserved_tokens), self.block_size) - num_held)
+        covered = max(end + ahead, num_reserved_tokens)
+        num_new_blocks = max(0, cdiv(covered, self.block_size) - num_held)
         shared = self._shared_blocks_in(table, start, end)
         device_hits = [b for b in prefix.block_ids if b != NULL_BLOCK]
         # Reviving a free cached block takes it out of the free queue too.

@@ -95,12 +95,16 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
+        spec = config.speculative_config
+        drafting = spec is not None and spec.method == "draft_model"
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
             num_host_blocks,
             num_tier_blocks,
+            # A draft model writes its proposals' K/V past the scheduled positions.
+            spec.num_speculative_tokens if drafting else 0,
         )
         self._rng = random.Random(config.model_config.seed)
         self._groups: dict[str, SequenceGroup] = {}
@@ -108,8 +112,11 @@ class LLMEngine:
         self._beam_groups: dict[str, BeamGroup] = {}
         self._beams: dict[str, Beam] = {}  # live beam's request id -> the beam
         self._finished_outputs: list[RequestOutput] = []  # aborted before their next step
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None
+        if spec is not None:
+            tables = self.scheduler.kv_cache_manager.get_block_table
+            draft = runner if drafting else None
+            self.speculator = Speculator(spec, self.max_model_len, draft, tables)
         # Drafts are proposed from the tokens of the step before: no overlap.
         self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
@@ -317,6 +324,7 @@ class LLMEngine:
         self.scheduler.update_from_output(flight.sched, sampled, verified)
         touched: dict[str, SequenceGroup] = {}
         proposed: dict[str, BeamGroup] = {}
+        drafting: list[tuple[Request, int]] = []  # sequences to draft for
         for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
             if state.finished:
                 continue  # stopped or aborted after this step was dispatched
@@ -331,9 +339,12 @@ class LLMEngine:
             if row.samples:
                 num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
                 self._add_tokens(state, result, at[i], num)
-                if self.speculator is not None and not state.finished:
-                    self.speculator.propose(state.request, state.constraints.grammar is None)
+                speculates = self.speculator is not None and state.constraints.grammar is None
+                if speculates and not state.finished:
+                    drafting.append((state.request, state.seed))
             touched[state.group_id] = self._groups[state.group_id]
+        if self.speculator is not None:
+            self.speculator.propose(drafting)
         outputs = [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
             if group.finished:

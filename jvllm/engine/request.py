@@ -81,6 +81,9 @@ class Request:
         # Draft tokens a speculative proposer guessed to follow output_token_ids; the
         # next decode row verifies them (they are never part of the sequence).
         self.spec_token_ids: list[int] = []
+        # With a draft model: the row of its proposal distributions (on the device) of
+        # spec_token_ids[0]; the next ones follow (-1: drafts without a distribution).
+        self.spec_q_row = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -111,9 +111,11 @@ class Scheduler:
         num_blocks: int,
         num_host_blocks: int = 0,
         num_tier_blocks: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """`num_host_blocks` host blocks for swapping (with preemption_mode="swap") and
-        `num_tier_blocks` more for the prefix cache's host tier."""
+        `num_tier_blocks` more for the prefix cache's host tier; every allocation covers
+        `num_lookahead_tokens` more positions (a draft model's proposals)."""
         blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
         if num_blocks - 1 < blocks_per_seq:
             raise ValueError(
@@ -133,6 +135,8 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             num_host_blocks if self.swaps else 0,
             num_tier_blocks,
+            num_lookahead_tokens,
+            scheduler_config.max_model_len,
         )
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         # Swapped out, oldest first; they come back before any waiting request is admitted.

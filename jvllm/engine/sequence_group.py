@@ -65,11 +65,16 @@ class SequenceState:
         self.finished_status, self.stop_reason = status, stop_reason
 
     def sampling_row(
-        self, eos_token_ids: frozenset[int], row: ScheduledRequest, drafts: list[int] | None = None
+        self,
+        eos_token_ids: frozenset[int],
+        row: ScheduledRequest,
+        drafts: list[int] | None = None,
+        draft: tuple[int, int] | None = None,
     ) -> SamplingRow:
         """The sampler's view of this sequence for a scheduled row that samples; with
         `drafts`, for the position after them (the row verifies draft tokens, and these
-        are the ones before that position, as if accepted)."""
+        are the ones before that position, as if accepted). `draft` is the (token, q
+        row) a draft model proposed for this position."""
         r, params = self.request, self.request.sampling_params
         drafts = drafts or []
         # Tokens sampled before this row's (its own placeholder is already counted).
@@ -96,6 +101,8 @@ class SequenceState:
             outputs,
             banned,
             pending_output=pending,
+            draft_token_id=draft[0] if draft else -1,
+            draft_q_row=draft[1] if draft else -1,
         )
 
     def add_token(self, result: Any, row: int, token: int) -> None:

@@ -13,14 +13,26 @@ of decoding without speculation, and each kept draft is one step saved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from jvllm.config import SpeculativeConfig
 from jvllm.engine.ngram_proposer import NgramProposer
 from jvllm.engine.request import Request
+
+
+class DraftRow(NamedTuple):
+    """One sequence a draft model proposes for: from its newest token, `num_tokens` more."""
+
+    token_id: int
+    position: int  # of token_id: the sequence's length - 1
+    block_table: Sequence[int]  # covers position + num_tokens - 1 (lookahead slots)
+    num_tokens: int
+    seed: int
+    step_index: int  # output tokens so far: the first draft's output index
+    temperature: float
 
 
 def verify(drafts: Sequence[int], sampled: np.ndarray) -> list[int]:
@@ -33,40 +45,98 @@ def verify(drafts: Sequence[int], sampled: np.ndarray) -> list[int]:
     return [int(t) for t in sampled[: accepted + 1]]
 
 
+class DraftModel(Protocol):
+    """The runner's side of a draft model (`jvllm.runner.ModelRunner.propose`)."""
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]: ...
+
+
 class Speculator:
     """Drafts for the engine's sequences and counts how they fare."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        assert config.method == "ngram", config
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        draft_model: DraftModel | None = None,
+        block_table: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        """`draft_model` and `block_table` (a request's block table) for
+        method="draft_model"; n-gram lookup needs neither."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.draft_model = draft_model
+        self.block_table = block_table
+        self.proposer = None
+        if config.method == "ngram":
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        else:
+            assert draft_model is not None and block_table is not None, config
         # Request id -> its tokens so far as one array (capacity max_model_len) and how
         # many are filled: each step appends what is new instead of copying the sequence.
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
+        # Requests holding a draft model's drafts: their q rows are the latest proposal's.
+        self._holding: dict[str, Request] = {}
         self.num_drafts = 0  # rows that verified at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def propose(self, request: Request, eligible: bool) -> None:
-        """Sets the request's drafts for its next decode row; none when not `eligible`
-        (a grammar, a beam) or when one more emitted token reaches a length limit."""
-        request.spec_token_ids = []
-        if not eligible:
-            return
+    def room(self, request: Request) -> int:
+        """Draft tokens the request's next row may verify: a row with k drafts emits up
+        to k + 1 tokens and computes k + 1 positions."""
         params = request.sampling_params
-        num_out = len(request.output_token_ids)
-        # A row with k drafts emits up to k + 1 tokens and computes k + 1 positions.
-        room = min(
-            (params.max_tokens or self.max_model_len) - num_out,
+        left = min(
+            (params.max_tokens or self.max_model_len) - len(request.output_token_ids),
             self.max_model_len - request.num_tokens,
         )
-        if room <= 1:
+        return max(0, min(left - 1, self.config.num_speculative_tokens))
+
+    def propose(self, sequences: Sequence[tuple[Request, int]]) -> None:
+        """Sets each (request, seed)'s drafts for its next decode row (none where a
+        length limit is one token away). Callers leave out grammars and beams."""
+        if self.proposer is not None:
+            for request, _ in sequences:
+                room = self.room(request)
+                request.spec_token_ids = (
+                    self.proposer.propose(self._sequence(request), room) if room else []
+                )
             return
-        request.spec_token_ids = self.proposer.propose(self._sequence(request), room - 1)
+        self._propose_with_draft_model(sequences)
+
+    def _propose_with_draft_model(self, sequences: Sequence[tuple[Request, int]]) -> None:
+        assert self.draft_model is not None and self.block_table is not None
+        # A new proposal replaces the device's q rows: older drafts lose theirs.
+        for request in self._holding.values():
+            request.spec_token_ids, request.spec_q_row = [], -1
+        self._holding = {}
+        rows, requests = [], []
+        for request, seed in sequences:
+            room = self.room(request)
+            if not room:
+                continue
+            rows.append(
+                DraftRow(
+                    token_id=request.output_token_ids[-1],
+                    position=request.num_tokens - 1,
+                    block_table=self.block_table(request.request_id),
+                    num_tokens=room,
+                    seed=seed,
+                    step_index=len(request.output_token_ids),
+                    temperature=request.sampling_params.temperature,
+                )
+            )
+            requests.append(request)
+        if not rows:
+            return
+        k = self.config.num_speculative_tokens
+        for index, (request, drafts) in enumerate(
+            zip(requests, self.draft_model.propose(rows), strict=True)
+        ):
+            request.spec_token_ids, request.spec_q_row = drafts, index * k
+            self._holding[request.request_id] = request
 
     def _sequence(self, request: Request) -> np.ndarray:
         buf, filled = self._tokens.get(request.request_id, (None, 0))
@@ -82,6 +152,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """Drops a finished request's tokens."""
         self._tokens.pop(request_id, None)
+        self._holding.pop(request_id, None)
 
     def observe(self, num_drafts: int, emitted: Sequence[int]) -> None:
         accepted = len(emitted) - 1

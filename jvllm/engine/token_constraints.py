@@ -131,13 +131,16 @@ def step_sampling(
             masked += [
                 (len(sampling_rows) + j, state.constraints) for j in range(1 + row.num_spec_tokens)
             ]
-        sampling_rows.append(state.sampling_row(eos_token_ids, row))
-        if row.num_spec_tokens:
-            drafts = list(row.token_ids[-row.num_spec_tokens :])
-            sampling_rows += [
-                state.sampling_row(eos_token_ids, row, drafts[:j])
-                for j in range(1, 1 + row.num_spec_tokens)
-            ]
+        if not row.num_spec_tokens:
+            sampling_rows.append(state.sampling_row(eos_token_ids, row))
+            continue
+        # Position j scores drafts[j] (the bonus token after the last), its history
+        # holding the drafts before it.
+        drafts = list(row.token_ids[-row.num_spec_tokens :])
+        q_row = state.request.spec_q_row
+        for j in range(1 + row.num_spec_tokens):
+            draft = (drafts[j], q_row + j if q_row >= 0 else -1) if j < len(drafts) else None
+            sampling_rows.append(state.sampling_row(eos_token_ids, row, drafts[:j], draft))
     if not masked:
         return sampling_rows, None
     bitmask = np.full((len(sampling_rows), bitmask_width(vocab_size)), -1, np.int32)

@@ -14,6 +14,13 @@ Every sampling knob is an array, never a static argument: new temperatures or se
 reuse the compiled program; only the shapes S, V, P and F select one. Logit biases and
 bans of the whole batch share one flat list of F (row, token, value) entries, at least
 MIN_BIAS_ENTRIES long, so biases of any value, on any rows, reuse one program.
+
+Speculative decoding with a draft distribution (`rejection_sample`): a row whose
+position holds a draft token d drawn from q accepts d with probability
+min(1, p(d) / q(d)), p being the row's target distribution after every processor, and
+otherwise draws from the normalised residual max(p - q, 0), so the token is distributed
+as p exactly. A rejected d has no residual mass, so a row kept its draft exactly when
+its token equals the draft.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ class SamplingMetadata:
     # bool[S]; the row's last input token is an output the host has not seen yet (it is
     # still on the device): penalties count it on top of penalty_token_ids.
     pending_output: Array
+    # i32[S]; a draft model's token for this position and its row of the draft
+    # probabilities passed to sample() (-1 = none).
+    draft_token_ids: Array
+    draft_q_rows: Array
 
 
 class SamplerOutput(NamedTuple):
@@ -72,11 +83,16 @@ class SamplerOutput(NamedTuple):
 
 
 def sample(
-    logits: jax.Array, md: SamplingMetadata, last_input: jax.Array | None = None
+    logits: jax.Array,
+    md: SamplingMetadata,
+    last_input: jax.Array | None = None,
+    draft_probs: jax.Array | None = None,
 ) -> SamplerOutput:
     """Choose one token per row; jit-compatible, no branching on parameter values.
 
     `last_input` `[S]` is each row's last input token (needed where `pending_output`).
+    `draft_probs` `[Q, V]`: a draft model's proposal distributions, indexed by
+    `md.draft_q_rows`; rows with a draft token are decided by `rejection_sample`.
     Row i's token depends only on logits[i] and row i's parameters, seed and step index,
     never on the other rows or on how many padding rows the batch carries.
     """
@@ -92,6 +108,17 @@ def sample(
 
     # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
     token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
+    if draft_probs is not None:
+        drafted = md.draft_q_rows >= 0  # [S]
+
+        def verified() -> jax.Array:
+            p = target_probs(penalised, md)  # [S, V]
+            q = draft_probs[jnp.maximum(md.draft_q_rows, 0)]  # [S, V]
+            keys = jax.vmap(_row_key)(md.seeds, md.step_index)
+            decided = rejection_sample(p, q, jnp.maximum(md.draft_token_ids, 0), keys)
+            return jnp.where(drafted, decided, token_ids)
+
+        token_ids = lax.cond(jnp.any(drafted), verified, lambda: token_ids)
     num_top = min(NUM_TOP_CANDIDATES, logits.shape[-1])
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -204,13 +231,51 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
     return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)[:, 0]
 
 
+def target_probs(penalised: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Each row's distribution after every processor: softmax of the filtered logits, or
+    one-hot at the argmax for greedy rows. `[S, V]` float32."""
+    greedy = md.temperature < SAMPLING_EPS
+    probs = jax.nn.softmax(filter_logits(penalised, md), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(penalised, axis=-1), penalised.shape[-1])
+    return jnp.where(greedy[:, None], one_hot, probs)
+
+
+# Folded into a row's key for the accept/reject uniform (the draws keep the plain key).
+_ACCEPT_TAG = 0x5EC
+
+
+def _row_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def rejection_sample(
+    p: jax.Array, q: jax.Array, draft_ids: jax.Array, keys: jax.Array, residual: bool = True
+) -> jax.Array:
+    """Speculative sampling's decision per row: `draft_ids[i]`, drawn from `q[i]`, is kept
+    with probability min(1, p(d) / q(d)); otherwise a token is drawn from the residual
+    max(p - q, 0), renormalised (from p itself, were p and q equal). The result is
+    distributed as p. `residual=False` draws the replacement from p instead, which is
+    biased towards the draft (tests use it to show a test can tell the difference).
+
+    p, q `[S, V]` probabilities; draft_ids `[S]`; keys `[S]` one PRNG key per row.
+    """
+    rows = jnp.arange(p.shape[0])
+    p_d, q_d = p[rows, draft_ids], q[rows, draft_ids]  # [S]
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, _ACCEPT_TAG)))(keys)
+    accept = u * q_d < p_d  # u < p(d) / q(d), without dividing by a zero q(d)
+    weights = jnp.maximum(p - q, 0.0) if residual else p
+    weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (p.shape[-1],), jnp.float32))(keys)
+    replacement = jnp.argmax(jnp.log(weights) + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(accept, draft_ids.astype(jnp.int32), replacement)
+
+
 def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Gumbel-max draw from softmax(filtered), one independent key per row."""
     vocab = filtered.shape[-1]
 
     def row_noise(seed: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)  # [V]
+        return jax.random.gumbel(_row_key(seed, step), (vocab,), jnp.float32)  # [V]
 
     # vmap keeps each row's noise a function of its own key alone, whatever S is.
     noise = jax.vmap(row_noise)(md.seeds, md.step_index)  # [S, V]
@@ -269,6 +334,8 @@ def make_sampling_metadata(
         bias_values=np.zeros(num_bias, np.float32),
         want_logprobs=np.zeros(num_rows, bool),
         pending_output=np.zeros(num_rows, bool),
+        draft_token_ids=np.full(num_rows, -1, np.int32),
+        draft_q_rows=np.full(num_rows, -1, np.int32),
     )
     _fill_scalars(md, rows)
     _fill_biases(md, rows, biased)
@@ -301,6 +368,8 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     md.step_index[:n] = steps
     md.want_logprobs[:n] = [p.logprobs is not None for p in params]
     md.pending_output[:n] = [r.pending_output for r in rows]
+    md.draft_token_ids[:n] = [r.draft_token_id for r in rows]
+    md.draft_q_rows[:n] = [r.draft_q_row for r in rows]
 
 
 def _fill_biases(md: SamplingMetadata, rows: Sequence[SamplingRow], biased: list[int]) -> None:

@@ -68,8 +68,9 @@ def abstract_model(
 
 def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """Static keyword arguments (the forward's BatchShape), else the last array's shape."""
-    if kwargs:
-        return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    given = {k: v for k, v in kwargs.items() if v is not None}  # e.g. no draft model
+    if given:
+        return ", ".join(f"{k}={v}" for k, v in given.items())
     leaves = jax.tree.leaves(args)
     return "x".join(map(str, leaves[-1].shape)) if leaves else ""
 

@@ -34,11 +34,13 @@ from jax.sharding import Mesh
 
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.llm_engine import LateSampling
+from jvllm.engine.spec_decode import DraftRow
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
 from jvllm.models.loader import LoadedModel
 from jvllm.parallel.mesh import cache_sharding, replicated
+from jvllm.runner.drafter import Drafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -114,12 +116,19 @@ class ModelRunner:
         mesh: Mesh | None = None,
         num_host_blocks: int = 0,
         num_lookahead_tokens: int = 0,
+        draft: LoadedModel | None = None,
     ) -> None:
         """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
         limits fix the buckets and the block-table width, and `num_lookahead_tokens`
-        (speculative decoding's k) the logits rows a row may need beyond its one."""
+        (speculative decoding's k) the logits rows a row may need beyond its one.
+        `draft`: speculative decoding's draft model, whose KV layers follow the target's
+        in `caches` (same blocks)."""
         self.model = loaded
+        self.drafter = (
+            Drafter(draft, num_lookahead_tokens, cache_config.block_size) if draft else None
+        )
+        self.num_target_layers = loaded.spec.num_layers
         self.mesh = mesh
         self.spec = loaded.spec
         self.block_size = block_size = cache_config.block_size
@@ -136,6 +145,13 @@ class ModelRunner:
         # The largest logits-row bucket.
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
         self.caches = self._allocate_cache(num_blocks)
+        self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
+        if self.drafter is not None:
+            self.proposal_buckets = _pow4_buckets(self.max_num_seqs)
+            q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
+            q = np.zeros(q_shape, np.float32)  # on the device, as what replaces it
+            self.draft_probs = jax.device_put(q) if mesh is None else self._put(q)
+            self._propose_fn = jax.jit(self._propose, donate_argnames=("caches",))
         zeros = np.zeros(self.max_rows, np.int32)  # [R]
         # A device array, like the sampler output that replaces it every step: a host
         # array here would give every forward bucket a second program at serve time.
@@ -157,6 +173,7 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """Programs compiled so far: the entries of every jitted function's cache."""
         jitted = (
+            *((self._propose_fn,) if self.drafter is not None else ()),
             self._forward_fn,
             self._sample_fn,
             self._mask_fn,
@@ -177,20 +194,42 @@ class ModelRunner:
         packed: jax.Array,
         last_sampled: jax.Array,
         shape: BatchShape,
+        draft_params: Any = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array]:
         inp = unpack(packed, shape, last_sampled)
         module = self.model.module
-        hidden, caches = module.apply(
-            {"params": params}, inp.token_ids, inp.positions, caches, inp.attn
+        split = self.num_target_layers
+        hidden, target_caches = module.apply(
+            {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
         )
+        draft_caches = caches[split:]
+        if self.drafter is not None:
+            draft_caches = self.drafter.write_kv(draft_params, draft_caches, inp)
         last = hidden[inp.logits_indices]  # [S, H]
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
-        return logits, hidden, caches, inp.token_ids[inp.logits_indices]  # last inputs [S]
+        last_inputs = inp.token_ids[inp.logits_indices]  # [S]
+        return logits, hidden, [*target_caches, *draft_caches], last_inputs
+
+    def _propose(
+        self, params: Any, caches: list[KVCache], rows: ProposalInputs
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """The draft model's proposal (`Drafter.propose`), its q rows padded to [Q, V]."""
+        assert self.drafter is not None and self.draft_probs is not None
+        split = self.num_target_layers
+        drafts, q, draft_caches = self.drafter.propose(params, caches[split:], rows)
+        padded = jnp.zeros(self.draft_probs.shape, jnp.float32).at[: q.shape[0]].set(q)
+        if self.mesh is not None:
+            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        return drafts, padded, [*caches[:split], *draft_caches]
 
     def _sample(
-        self, logits: jax.Array, md: sampler.SamplingMetadata, last_input: jax.Array
+        self,
+        logits: jax.Array,
+        md: sampler.SamplingMetadata,
+        last_input: jax.Array,
+        draft_probs: jax.Array | None = None,
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        out = sampler.sample(logits, md, last_input)
+        out = sampler.sample(logits, md, last_input, draft_probs)
         padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
         if self.mesh is not None:  # placed as the forward expects it: no second program
             padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
@@ -229,24 +268,32 @@ class ModelRunner:
 
     # -- host side --
 
+    def _layer_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        """Each KV layer's K (and V) shape: the target's layers, then the draft's."""
+        specs = [self.spec] + ([self.drafter.model.spec] if self.drafter is not None else [])
+        return [
+            (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+            for s in specs
+            for _ in range(s.num_layers)
+        ]
+
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
-        s = self.spec
-        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         sharding = cache_sharding(self.mesh)  # KV heads split across the mesh
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
-        zeros = lambda: jnp.zeros(shape, self.kv_dtype, device=sharding)
-        return [(zeros(), zeros()) for _ in range(s.num_layers)]
+        zeros = lambda shape: jnp.zeros(shape, self.kv_dtype, device=sharding)
+        return [(zeros(shape), zeros(shape)) for shape in self._layer_shapes(num_blocks)]
 
     def _allocate_host_cache(self, num_host_blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Host block 0 is never used (the host pool's ids start at 1), and stays zero:
         padding rows of a swap-in copy it into the null block."""
         if not num_host_blocks:
             return []
-        s = self.spec
-        shape = (num_host_blocks + 1, self.block_size, s.num_kv_heads, s.head_dim)
         dtype = np.dtype(self.kv_dtype)
         # np.zeros maps pages on first touch: the pool costs nothing until swaps fill it.
-        return [(np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(s.num_layers)]
+        return [
+            (np.zeros(shape, dtype), np.zeros(shape, dtype))
+            for shape in self._layer_shapes(num_host_blocks + 1)
+        ]
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device, host) copies of whole blocks: one gather per chunk, queued after every
@@ -314,8 +361,14 @@ class ModelRunner:
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
         packed = pack_rows(rows, shape, self.block_size)
+        draft_params = self.drafter.model.params if self.drafter is not None else None
         logits, hidden, self.caches, last_input = self._forward_fn(
-            self.model.params, self.caches, self._put(packed), self.last_sampled, shape=shape
+            self.model.params,
+            self.caches,
+            self._put(packed),
+            self.last_sampled,
+            shape=shape,
+            draft_params=draft_params,
         )
         return logits, hidden, last_input, shape
 
@@ -353,7 +406,9 @@ class ModelRunner:
             padded = np.full((shape.logits_rows, token_bitmask.shape[1]), -1, np.int32)
             padded[: len(token_bitmask)] = token_bitmask
             logits = self._mask_fn(logits, self._put(padded))
-        out, self.last_sampled = self._sample_fn(logits, self._put(md), last_input)
+        out, self.last_sampled = self._sample_fn(
+            logits, self._put(md), last_input, self.draft_probs
+        )
         scored = None
         if prompt_targets is not None:
             targets = np.zeros(shape.num_tokens, np.int32)  # [T]
@@ -362,6 +417,33 @@ class ModelRunner:
             scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
         lengths = tuple(len(r.token_ids) for r in rows)
         return PendingStep(out, scored, lengths, len(sampling_rows))
+
+    def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
+        """The draft model's k tokens for each row (waited for); their distributions stay
+        on the device (`draft_probs`, row r's i-th token at r * k + i) for the next
+        step's rejection sampler. `num_rows` forces the row bucket (warm-up)."""
+        assert self.drafter is not None
+        n = len(rows)
+        s = num_rows or pick_bucket(max(n, 1), self.proposal_buckets)
+        inputs = ProposalInputs(
+            tokens=np.zeros(s, np.int32),
+            positions=np.zeros(s, np.int32),
+            tables=np.zeros((s, self.width), np.int32),
+            limits=np.zeros(s, np.int32),
+            seeds=np.zeros(s, np.uint32),
+            steps=np.zeros(s, np.int32),
+            temperature=np.zeros(s, np.float32),
+        )
+        for i, row in enumerate(rows):
+            inputs.tokens[i], inputs.positions[i] = row.token_id, row.position
+            inputs.tables[i, : len(row.block_table)] = row.block_table
+            inputs.limits[i], inputs.seeds[i] = row.num_tokens, row.seed
+            inputs.steps[i], inputs.temperature[i] = row.step_index, row.temperature
+        drafts, self.draft_probs, self.caches = self._propose_fn(
+            self.drafter.model.params, self.caches, self._put(inputs)
+        )
+        host = np.asarray(drafts)
+        return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]
 
     def execute(
         self,
@@ -395,14 +477,27 @@ class ModelRunner:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
             md = sampler.make_sampling_metadata([greedy], shape.logits_rows, 0)
-            jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input))
+            sampled = self._sample_fn(logits, self._put(md), last_input, self.draft_probs)
+            jax.block_until_ready(sampled)
             mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))
             jax.block_until_ready(self._mask_fn(logits, mask))
             targets = self._put(np.zeros(shape.num_tokens, np.int32))
             jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
         self.copy_blocks([(0, 0)])
+        if self.drafter is not None:
+            for size in self.proposal_buckets:
+                self.propose([], size)
         if self.host_caches:
             for size in SWAP_BUCKETS:
                 self.swap_out([(0, 0)] * size)
                 self.swap_in([(0, 0)] * size)
             jax.block_until_ready(self.caches)
+
+
+def _pow4_buckets(largest: int) -> tuple[int, ...]:
+    """Row counts of the draft model's proposal programs: 1, 4, 16, ... and `largest`."""
+    out, b = [], 1
+    while b < largest:
+        out.append(b)
+        b *= 4
+    return (*out, largest)
