@@ -122,10 +122,12 @@ def test_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, draft
     assert m["spec_decode_num_draft_tokens"] >= m["spec_decode_num_drafts"] > 0
     assert m["num_free_blocks"] == m["num_total_blocks"]  # nothing leaked
     del spec
-    # llama drafts for itself: every greedy draft must be kept.
+    # llama drafts for itself, preempting by swap: every greedy draft must be kept, so
+    # the draft's K/V must come back from host memory intact.
     draft = str(checkpoints[arch]) if arch == "llama" else drafts[arch]
     config = {"model": draft, "num_speculative_tokens": 3}
-    drafted = LLM(str(checkpoints[arch]), speculative_config=config, **ENGINE)
+    swap = {"preemption_mode": "swap"} if arch == "llama" else {}
+    drafted = LLM(str(checkpoints[arch]), speculative_config=config, **ENGINE, **swap)
     assert _outputs(drafted, ps, [greedy] * len(ps)) == want_greedy
     assert _outputs(drafted, ps[:4], pairs) == want_pairs
     assert _outputs(drafted, ps, stopping) == want_stops
@@ -134,6 +136,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, draft
     assert m["num_free_blocks"] == m["num_total_blocks"]
     if arch == "llama":
         assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+        assert m["num_swapped_out_blocks"] > 0
 
 
 def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_dir):

@@ -527,8 +527,10 @@ class Scheduler:
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
             )
-            # Room for its blocks and for its next tokens' (all its blocks come back private).
+            # Room for its blocks and for its next tokens' (all its blocks come back
+            # private), lookahead slots included.
             end = request.num_computed_tokens + num_new
+            end = min(end + kv.num_lookahead_tokens, self.scheduler_config.max_model_len)
             spare = cdiv(end, self.block_size) - cdiv(request.num_computed_tokens, self.block_size)
             pairs = kv.swap_in(request, spare)
             if pairs is None:

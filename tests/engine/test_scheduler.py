@@ -351,8 +351,10 @@ class _Trace:
         num_blocks = blocks_per_seq + 1 + rng.randint(0, 2 * blocks_per_seq)
         num_host_blocks = rng.randint(1, 3 * blocks_per_seq)
         num_tier_blocks = rng.choice([0, rng.randint(1, 2 * blocks_per_seq)])
+        # With drafts, sometimes a draft model's lookahead slots past every allocation.
+        self.lookahead = rng.choice([0, 2, 3]) if spec else 0
         self.scheduler = Scheduler(
-            self.config, cache_config, num_blocks, num_host_blocks, num_tier_blocks
+            self.config, cache_config, num_blocks, num_host_blocks, num_tier_blocks, self.lookahead
         )
         self.host_cache: dict[int, int] = {}  # host slot -> fingerprint, as `cache`
         self.kv = self.scheduler.kv_cache_manager
@@ -588,7 +590,8 @@ class _Trace:
             assert row.samples == (request.num_output_placeholders == placeholders + 1)
             assert placeholders <= (1 if self.overlap else 0)
             assert row.block_table == self.kv.get_block_table(row.request_id)
-            assert len(row.block_table) * self.block_size >= end
+            covered = min(end + self.lookahead, self.max_model_len)
+            assert len(row.block_table) * self.block_size >= covered
         for request_id in output.preempted_request_ids:
             request = self.unfinished[request_id]
             assert request_id not in running
