@@ -1,14 +1,17 @@
 """Speculative decoding, the host's part: who gets drafts, verifying them, the counters.
 
 Owns choosing which sequences a proposer drafts for and how many tokens each may take
-(never past max_tokens or max_model_len), reading a verified row's outcome, and vLLM's
-spec_decode_* counters. The drafts ride in the next decode row (the scheduler's
-lookahead slots); the target scores every position of the row in one step, and the
-sampler draws each position's token exactly as a step without drafts would (the same
-processors, the same per-request seed and output index). A draft is kept while it
-equals the token drawn at its position, and the first token that differs (or the one
-after the last draft) is kept too. So greedy and seeded outputs are token for token those
-of decoding without speculation, and each kept draft is one step saved.
+(never past max_tokens or max_model_len), asking the proposer (n-gram lookup here, or
+the runner's draft model), reading a verified row's outcome, and vLLM's spec_decode_*
+counters. The drafts ride in the next decode row (the scheduler's lookahead slots);
+the target scores every position of the row in one step. For n-gram drafts the sampler
+draws each position's token exactly as a step without drafts would (the same
+processors, the same per-request seed and output index), so greedy and seeded outputs
+are token for token those of decoding without speculation; a draft model's tokens go
+through the sampler's rejection rule with their distribution q. Either way a draft is
+kept while it equals the token the sampler chose at its position, and the first token
+that differs (or the one after the last draft) is kept too: each kept draft is one
+step saved.
 """
 
 from __future__ import annotations
