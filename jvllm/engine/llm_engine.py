@@ -30,7 +30,7 @@ from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
-from jvllm.engine.spec_decode import Speculator, no_spec_metrics, verify
+from jvllm.engine.spec_decode import Speculator, spec_metrics, verify
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.token_constraints import constraints_for, step_sampling
 from jvllm.engine.validation import validate_request
@@ -460,7 +460,7 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, Any]:
         st = self.scheduler.stats()
-        spec = self.speculator.metrics() if self.speculator is not None else no_spec_metrics()
+        spec = self.speculator.metrics() if self.speculator is not None else spec_metrics()
         return spec | {
             "num_requests_running": st.num_running,
             "num_requests_waiting": st.num_waiting,

@@ -167,18 +167,18 @@ class Speculator:
 
     def metrics(self) -> dict[str, Any]:
         """vLLM's names; the per-position counts are a list, position 0 first."""
-        return {
-            "spec_decode_num_drafts": self.num_drafts,
-            "spec_decode_num_draft_tokens": self.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-        }
+        return spec_metrics(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos
+        )
 
 
-def no_spec_metrics() -> dict[str, Any]:
+def spec_metrics(
+    drafts: int = 0, draft_tokens: int = 0, accepted: int = 0, per_pos: Sequence[int] = ()
+) -> dict[str, Any]:
+    """The spec_decode_* entries of get_metrics() (all zero without speculation)."""
     return {
-        "spec_decode_num_drafts": 0,
-        "spec_decode_num_draft_tokens": 0,
-        "spec_decode_num_accepted_tokens": 0,
-        "spec_decode_num_accepted_tokens_per_pos": [],
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
     }

@@ -144,11 +144,10 @@ def step_sampling(
     if not masked:
         return sampling_rows, None
     bitmask = np.full((len(sampling_rows), bitmask_width(vocab_size)), -1, np.int32)
-    constraints = masked
-    grammars = [(c.grammar, i) for i, c in constraints if c.grammar is not None]
+    grammars = [(c.grammar, i) for i, c in masked if c.grammar is not None]
     if grammars:
         fill_bitmasks(compiler.executor, grammars, bitmask)
-    for i, c in constraints:
+    for i, c in masked:
         if c.allowed_mask is not None:
             bitmask[i] &= c.allowed_mask
     return sampling_rows, bitmask

@@ -84,13 +84,14 @@ class Drafter:
             argmax = jnp.argmax(logits, axis=-1)
             q = jax.nn.softmax(logits / temperature, axis=-1)
             q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, q.shape[-1]), q)
-
-            def draw(seed: jax.Array, step: jax.Array, probs: jax.Array) -> jax.Array:
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), _DRAFT_TAG)
-                return jax.random.categorical(key, jnp.log(probs))
-
-            token = jax.vmap(draw)(rows.seeds, rows.steps + i, q).astype(jnp.int32)
+            token = jax.vmap(_draw)(rows.seeds, rows.steps + i, q).astype(jnp.int32)
             drafts.append(token)
             dists.append(q)
         q_rows = jnp.stack(dists, axis=1).reshape(num_rows * self.k, -1)
         return jnp.stack(drafts, axis=1), q_rows, caches
+
+
+def _draw(seed: jax.Array, step: jax.Array, probs: jax.Array) -> jax.Array:
+    """One row's draft token from `probs`, keyed by the request's seed and output index."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), _DRAFT_TAG)
+    return jax.random.categorical(key, jnp.log(probs))

@@ -58,12 +58,13 @@ class BatchShape:
         return self.num_logits or self.num_seqs
 
 
-def pow2_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to and including `largest` (itself the last)."""
+def pow2_buckets(smallest: int, largest: int, ratio: int = 2) -> tuple[int, ...]:
+    """`smallest` times powers of `ratio` (two unless given) below `largest`, then
+    `largest` itself."""
     out, b = [], smallest
     while b < largest:
         out.append(b)
-        b *= 2
+        b *= ratio
     return (*out, largest)
 
 

@@ -147,7 +147,8 @@ class ModelRunner:
         self.caches = self._allocate_cache(num_blocks)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
         if self.drafter is not None:
-            self.proposal_buckets = _pow4_buckets(self.max_num_seqs)
+            # Row counts of the proposal programs: 1, 4, 16, ... max_num_seqs.
+            self.proposal_buckets = pow2_buckets(1, self.max_num_seqs, ratio=4)
             q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
             q = np.zeros(q_shape, np.float32)  # on the device, as what replaces it
             self.draft_probs = jax.device_put(q) if mesh is None else self._put(q)
@@ -492,12 +493,3 @@ class ModelRunner:
                 self.swap_out([(0, 0)] * size)
                 self.swap_in([(0, 0)] * size)
             jax.block_until_ready(self.caches)
-
-
-def _pow4_buckets(largest: int) -> tuple[int, ...]:
-    """Row counts of the draft model's proposal programs: 1, 4, 16, ... and `largest`."""
-    out, b = [], 1
-    while b < largest:
-        out.append(b)
-        b *= 4
-    return (*out, largest)
