@@ -133,7 +133,7 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 # The most draft tokens one row verifies (each costs a logits row of the step).
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = frozenset(
@@ -147,7 +147,8 @@ class SpeculativeConfig:
     decode row, the target model scores them all in one step and keeps the longest run
     it agrees with. `method="ngram"` looks the guesses up in the request's own prompt
     and output (prompt_lookup_min..max tokens of suffix matched); `"draft_model"` asks a
-    smaller model with the same vocabulary (`model`)."""
+    smaller model with the same vocabulary (`model`); `"eagle"` an EAGLE-1 head trained
+    for the target (`model`), which drafts from the target's hidden states."""
 
     method: str
     num_speculative_tokens: int

@@ -28,6 +28,7 @@ from jvllm.config import (
 )
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.generation_config import generation_config_dir
+from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.distributed import distributed_config
@@ -137,6 +138,11 @@ class EngineArgs:
             draft = _load_draft(
                 speculative.model, self.dtype, backend, mesh, loaded, max_model_len, tokenizer
             )
+        elif speculative is not None and speculative.method == "eagle":
+            assert speculative.model is not None
+            draft = load_eagle_head(speculative.model, loaded, backend, mesh)
+            _check_draft_length(speculative.model, draft, max_model_len)
+            logger.info("EAGLE head: %s (%.1f MiB)", speculative.model, draft.weight_bytes / 2**20)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -285,12 +291,7 @@ def _load_draft(
             f"tokens, the target's {target.spec.vocab_size}; a draft model must share the "
             "target's tokenizer"
         )
-    if draft.spec.max_position_embeddings < max_model_len:
-        raise ValueError(
-            f"speculative_config model {path!r}: max_position_embeddings="
-            f"{draft.spec.max_position_embeddings} is shorter than max_model_len="
-            f"{max_model_len}; lower max_model_len"
-        )
+    _check_draft_length(path, draft, max_model_len)
     if any(Path(path).glob("tokenizer*")):
         from transformers import AutoTokenizer
 
@@ -303,6 +304,15 @@ def _load_draft(
             )
     logger.info("Draft model: %s (%.1f MiB)", path, draft.weight_bytes / 2**20)
     return draft
+
+
+def _check_draft_length(path: str, draft: LoadedModel, max_model_len: int) -> None:
+    if draft.spec.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_config model {path!r}: max_position_embeddings="
+            f"{draft.spec.max_position_embeddings} is shorter than max_model_len="
+            f"{max_model_len}; lower max_model_len"
+        )
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:

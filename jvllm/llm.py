@@ -44,6 +44,11 @@ class LLM:
         self.engine = args.create_engine()
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> Any:
+        """The engine (vLLM's name for it)."""
+        return self.engine
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults (vLLM's)."""
         return self.defaults.default_sampling_params()

@@ -4,8 +4,10 @@ With n-gram prompt lookup on, `LLM.generate` gives the tokens of decoding withou
 greedy (and so Transformers' greedy continuation), seeded sampling with every
 processor (top-p/top-k, penalties, min_tokens, logprobs), n > 1, stop tokens and stop
 strings that fall inside a run of accepted drafts, under chunked prefill (budget 16),
-forced preemption and prefix caching. The proposer is checked against a brute-force
-search, and the configuration errors name their field.
+forced preemption and prefix caching; with a draft model or an EAGLE head (the
+head's own checks are in test_eagle.py), greedy, n > 1 and stopping requests do too.
+The proposer is checked against a brute-force search, and the configuration errors
+name their field.
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def _stopping_params(reference: list) -> list[SamplingParams]:
     return params
 
 
-def test_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, drafts, tokenizer_dir):
-    """n-gram lookup: every kind of request; a draft model: greedy ones (seeded
-    sampling through its rejection sampler is equal in distribution, not token for
-    token: see the chi-square test)."""
+def test_speculation_gives_the_tokens_of_plain_decoding(
+    arch, checkpoints, drafts, heads, tokenizer_dir
+):
+    """n-gram lookup: every kind of request; a draft model and an EAGLE head: greedy
+    ones (seeded sampling through the rejection sampler is equal in distribution, not
+    token for token: see the chi-square test)."""
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
@@ -125,18 +129,23 @@ def test_speculation_gives_the_tokens_of_plain_decoding(arch, checkpoints, draft
     # llama drafts for itself, preempting by swap: every greedy draft must be kept, so
     # the draft's K/V must come back from host memory intact.
     draft = str(checkpoints[arch]) if arch == "llama" else drafts[arch]
-    config = {"model": draft, "num_speculative_tokens": 3}
     swap = {"preemption_mode": "swap"} if arch == "llama" else {}
-    drafted = LLM(str(checkpoints[arch]), speculative_config=config, **ENGINE, **swap)
-    assert _outputs(drafted, ps, [greedy] * len(ps)) == want_greedy
-    assert _outputs(drafted, ps[:4], pairs) == want_pairs
-    assert _outputs(drafted, ps, stopping) == want_stops
-    m = drafted.get_metrics()
-    assert m["num_preemptions"] > 0 and m["spec_decode_num_drafts"] > 0
-    assert m["num_free_blocks"] == m["num_total_blocks"]
-    if arch == "llama":
-        assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
-        assert m["num_swapped_out_blocks"] > 0
+    proposers = {
+        "draft": ({"model": draft, "num_speculative_tokens": 3}, swap),
+        "eagle": ({"method": "eagle", "model": heads[arch], "num_speculative_tokens": 3}, {}),
+    }
+    for name, (config, extra) in proposers.items():
+        drafted = LLM(str(checkpoints[arch]), speculative_config=config, **ENGINE, **extra)
+        assert _outputs(drafted, ps, [greedy] * len(ps)) == want_greedy, name
+        assert _outputs(drafted, ps[:4], pairs) == want_pairs, name
+        assert _outputs(drafted, ps, stopping) == want_stops, name
+        m = drafted.get_metrics()
+        assert m["num_preemptions"] > 0 and m["spec_decode_num_drafts"] > 0
+        assert m["num_free_blocks"] == m["num_total_blocks"]
+        if name == "draft" and arch == "llama":
+            assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+            assert m["num_swapped_out_blocks"] > 0
+        del drafted
 
 
 def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_dir):
@@ -154,11 +163,13 @@ def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_d
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_no_compilations_after_warm_up_with_speculation(method, checkpoints, drafts):
-    config = (
-        NGRAM if method == "ngram" else {"model": drafts["mistral"], "num_speculative_tokens": 3}
-    )
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_no_compilations_after_warm_up_with_speculation(method, checkpoints, drafts, heads):
+    config = {
+        "ngram": NGRAM,
+        "draft_model": {"model": drafts["mistral"], "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "model": heads["mistral"], "num_speculative_tokens": 3},
+    }[method]
     llm = LLM(
         str(checkpoints["mistral"]),
         speculative_config=config,
@@ -245,6 +256,17 @@ def drafts(checkpoints, tokenizer_dir, tmp_path_factory) -> dict[str, str]:
     return {
         arch: str(make_checkpoint(arch, root / arch, tokenizer_dir, seed=1, num_hidden_layers=1))
         for arch in checkpoints
+    }
+
+
+@pytest.fixture(scope="module")
+def heads(checkpoints, tmp_path_factory) -> dict[str, str]:
+    """arch -> a random EAGLE-1 head for it."""
+    from jvllm.testing.eagle import make_eagle_head
+
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        arch: str(make_eagle_head(path, root / arch, seed=2)) for arch, path in checkpoints.items()
     }
 
 

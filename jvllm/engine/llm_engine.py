@@ -30,7 +30,7 @@ from jvllm.engine.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
-from jvllm.engine.spec_decode import Speculator, spec_metrics, verify
+from jvllm.engine.spec_decode import Speculator, StepSequence, spec_metrics, verify
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.token_constraints import constraints_for, step_sampling
 from jvllm.engine.validation import validate_request
@@ -96,14 +96,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
         spec = config.speculative_config
-        drafting = spec is not None and spec.method == "draft_model"
+        drafting = spec is not None and spec.method in ("draft_model", "eagle")
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
             num_host_blocks,
             num_tier_blocks,
-            # A draft model writes its proposals' K/V past the scheduled positions.
+            # A draft model or EAGLE head writes its proposals' K/V past the scheduled
+            # positions.
             spec.num_speculative_tokens if drafting else 0,
         )
         self._rng = random.Random(config.model_config.seed)
@@ -324,7 +325,7 @@ class LLMEngine:
         self.scheduler.update_from_output(flight.sched, sampled, verified)
         touched: dict[str, SequenceGroup] = {}
         proposed: dict[str, BeamGroup] = {}
-        drafting: list[tuple[Request, int]] = []  # sequences to draft for
+        drafting: list[StepSequence] = []  # sequences to draft for
         for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
             if state.finished:
                 continue  # stopped or aborted after this step was dispatched
@@ -336,12 +337,15 @@ class LLMEngine:
                 continue
             if flight.want_prompt[i]:
                 state.add_prompt_logprobs(row, result.prompt_logprobs[i])
+            speculates = self.speculator is not None and state.constraints.grammar is None
             if row.samples:
                 num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
                 self._add_tokens(state, result, at[i], num)
-                speculates = self.speculator is not None and state.constraints.grammar is None
                 if speculates and not state.finished:
-                    drafting.append((state.request, state.seed))
+                    # The newest token came from the row's num-th logits row.
+                    drafting.append(StepSequence(state.request, state.seed, at[i] + num - 1, True))
+            elif speculates and self.speculator.wants_every_row:
+                drafting.append(StepSequence(state.request, state.seed, at[i], False))
             touched[state.group_id] = self._groups[state.group_id]
         if self.speculator is not None:
             self.speculator.propose(drafting)

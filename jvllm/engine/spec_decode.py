@@ -4,7 +4,10 @@ Owns choosing which sequences a proposer drafts for and how many tokens each may
 (never past max_tokens or max_model_len), asking the proposer (n-gram lookup here, or
 the runner's draft model), reading a verified row's outcome, and vLLM's spec_decode_*
 counters. The drafts ride in the next decode row (the scheduler's lookahead slots);
-the target scores every position of the row in one step. For n-gram drafts the sampler
+the target scores every position of the row in one step. An EAGLE head (method "eagle")
+also needs the rows that take no drafts (prefill chunks, sequences at their limit): its
+proposal program rewrites each row's last entry, from the token after it. For n-gram
+drafts the sampler
 draws each position's token exactly as a step without drafts would (the same
 processors, the same per-request seed and output index), so greedy and seeded outputs
 are token for token those of decoding without speculation; a draft model's tokens go
@@ -27,15 +30,27 @@ from jvllm.engine.request import Request
 
 
 class DraftRow(NamedTuple):
-    """One sequence a draft model proposes for: from its newest token, `num_tokens` more."""
+    """One sequence a proposer drafts for: from its newest token, `num_tokens` more."""
 
     token_id: int
-    position: int  # of token_id: the sequence's length - 1
+    # A draft model's first step: token_id's own (the sequence's length - 1); an EAGLE
+    # head's: the one before, whose entry pairs with token_id.
+    position: int
     block_table: Sequence[int]  # covers position + num_tokens - 1 (lookahead slots)
     num_tokens: int
     seed: int
     step_index: int  # output tokens so far: the first draft's output index
     temperature: float
+    feature_row: int = 0  # EAGLE: the step's logits row that token_id was drawn from
+
+
+class StepSequence(NamedTuple):
+    """One sequence of the step just committed, for `Speculator.propose`."""
+
+    request: Request
+    seed: int
+    feature_row: int  # the logits row its newest token came from (or its chunk's last)
+    sampled: bool  # False: a prefill chunk short of the prompt's end (no drafts)
 
 
 def verify(drafts: Sequence[int], sampled: np.ndarray) -> list[int]:
@@ -64,8 +79,8 @@ class Speculator:
         draft_model: DraftModel | None = None,
         block_table: Callable[[str], list[int]] | None = None,
     ) -> None:
-        """`draft_model` and `block_table` (a request's block table) for
-        method="draft_model"; n-gram lookup needs neither."""
+        """`draft_model` (the runner) and `block_table` (a request's block table) for
+        methods "draft_model" and "eagle"; n-gram lookup needs neither."""
         self.config = config
         self.max_model_len = max_model_len
         self.draft_model = draft_model
@@ -97,38 +112,52 @@ class Speculator:
         )
         return max(0, min(left - 1, self.config.num_speculative_tokens))
 
-    def propose(self, sequences: Sequence[tuple[Request, int]]) -> None:
-        """Sets each (request, seed)'s drafts for its next decode row (none where a
-        length limit is one token away). Callers leave out grammars and beams."""
+    def propose(self, sequences: Sequence[StepSequence]) -> None:
+        """Sets the drafts of each sampled sequence for its next decode row (none where a
+        length limit is one token away). Callers leave out grammars and beams, and
+        prefill chunks short of the prompt's end where `wants_every_row` is False."""
         if self.proposer is not None:
-            for request, _ in sequences:
-                room = self.room(request)
+            for seq in sequences:
+                room = self.room(seq.request)
+                request = seq.request
                 request.spec_token_ids = (
                     self.proposer.propose(self._sequence(request), room) if room else []
                 )
             return
-        self._propose_with_draft_model(sequences)
+        self._propose_on_device(sequences)
 
-    def _propose_with_draft_model(self, sequences: Sequence[tuple[Request, int]]) -> None:
+    @property
+    def wants_every_row(self) -> bool:
+        """An EAGLE head rewrites every row's last entry, drafts or none."""
+        return self.config.method == "eagle"
+
+    def _propose_on_device(self, sequences: Sequence[StepSequence]) -> None:
         assert self.draft_model is not None and self.block_table is not None
         # A new proposal replaces the device's q rows: older drafts lose theirs.
         for request in self._holding.values():
             request.spec_token_ids, request.spec_q_row = [], -1
         self._holding = {}
         rows, requests = [], []
-        for request, seed in sequences:
-            room = self.room(request)
-            if not room:
+        for seq in sequences:
+            request = seq.request
+            room = self.room(request) if seq.sampled else 0
+            if not room and not self.wants_every_row:
                 continue
+            computed = request.num_computed_tokens
+            if self.wants_every_row:  # from the token after the computed ones
+                token, position = request.get_token_ids(computed, computed + 1)[0], computed - 1
+            else:
+                token, position = request.output_token_ids[-1], request.num_tokens - 1
             rows.append(
                 DraftRow(
-                    token_id=request.output_token_ids[-1],
-                    position=request.num_tokens - 1,
+                    token_id=token,
+                    position=position,
                     block_table=self.block_table(request.request_id),
                     num_tokens=room,
-                    seed=seed,
+                    seed=seq.seed,
                     step_index=len(request.output_token_ids),
                     temperature=request.sampling_params.temperature,
+                    feature_row=seq.feature_row,
                 )
             )
             requests.append(request)
@@ -138,8 +167,9 @@ class Speculator:
         for index, (request, drafts) in enumerate(
             zip(requests, self.draft_model.propose(rows), strict=True)
         ):
-            request.spec_token_ids, request.spec_q_row = drafts, index * k
-            self._holding[request.request_id] = request
+            if drafts:
+                request.spec_token_ids, request.spec_q_row = drafts, index * k
+                self._holding[request.request_id] = request
 
     def _sequence(self, request: Request) -> np.ndarray:
         buf, filled = self._tokens.get(request.request_id, (None, 0))

@@ -166,6 +166,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     backend: str
     mesh: Mesh | None = None
+    input_norm: bool = True  # an EAGLE head's first layer has none
 
     @nn.compact
     def __call__(
@@ -176,8 +177,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         eps = self.spec.rms_norm_eps
+        normed = RMSNorm(eps, self.dtype, name="input_layernorm")(x) if self.input_norm else x
         h, cache = Attention(self.spec, self.dtype, self.backend, self.mesh, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), cos_sin, cache, meta
+            normed, cos_sin, cache, meta
         )
         x = x + h
         x = x + MLP(self.spec, self.dtype, name="mlp")(

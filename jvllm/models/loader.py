@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jvllm.layers.attention import AttentionMetadata
+from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
 from jvllm.models.quantization import PackedWeights, check_quantization, packed_weights, quantize
 from jvllm.models.registry import model_class
@@ -76,17 +76,22 @@ def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
     return jnp.dtype(_DTYPE_NAMES[dtype])
 
 
-def abstract_params(module: nn.Module, spec: ModelSpec) -> Params:
-    """Parameter shapes and dtypes, traced without allocating anything."""
-    cache = (jnp.zeros((2, 1, spec.num_kv_heads, spec.head_dim), module.dtype),) * 2
+def trace_inputs(spec: ModelSpec, dtype: jnp.dtype) -> tuple[list[KVCache], AttentionMetadata]:
+    """A one-token, one-block cache and batch: enough to trace a module's parameters."""
+    cache = (jnp.zeros((2, 1, spec.num_kv_heads, spec.head_dim), dtype),) * 2
     meta = AttentionMetadata(
         slot_mapping=jnp.zeros(1, jnp.int32),
         query_start_loc=jnp.array([0, 1], jnp.int32),
         seq_lens=jnp.ones(1, jnp.int32),
         block_tables=jnp.zeros((1, 1), jnp.int32),
     )
+    return [cache] * spec.num_layers, meta
+
+
+def abstract_params(module: nn.Module, spec: ModelSpec) -> Params:
+    """Parameter shapes and dtypes, traced without allocating anything."""
+    caches, meta = trace_inputs(spec, module.dtype)
     tokens = jnp.zeros(1, jnp.int32)
-    caches = [cache] * spec.num_layers
     # Trace the forward and the logits head, so lm_head's parameters exist too.
     everything = lambda m, *args: m.logits(m(*args)[0])
     init = lambda: module.init(jax.random.key(0), tokens, tokens, caches, meta, method=everything)
@@ -134,12 +139,13 @@ def load_model(
             _check_packed_split(spec, scheme, tp)
     built_spec = sharded_spec(spec, tp)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
-    abstract = dict(_flatten(abstract_params(module, built_spec)))
+    abstract = abstract_params(module, built_spec)
     if converted:
-        flat = orbax_checkpoint.restore(model_dir, abstract, spec, mesh)
+        flat = orbax_checkpoint.restore(model_dir, dict(_flatten(abstract)), spec, mesh)
+        params = _unflatten(flat)
     else:
-        flat = _read_safetensors(model_dir, abstract, spec, mesh)
-    return LoadedModel(built_spec, module, _unflatten(flat), target, hf_config)
+        params = read_params(model_dir, abstract, spec, mesh)
+    return LoadedModel(built_spec, module, params, target, hf_config)
 
 
 def _checkpoint_scheme(model_dir: Path, config: dict[str, Any], requested: str | None) -> Any:
@@ -178,9 +184,17 @@ def _check_packed_split(spec: ModelSpec, scheme: PackedWeights, tp: int) -> None
             )
 
 
-def _read_safetensors(
-    model_dir: Path, abstract: dict[tuple[str, ...], Any], spec: ModelSpec, mesh: Mesh | None
-) -> dict[tuple[str, ...], jax.Array]:
+def read_params(
+    model_dir: Path,
+    abstract_tree: Params,
+    spec: ModelSpec,
+    mesh: Mesh | None,
+    ignored: frozenset[str] = frozenset(),
+) -> Params:
+    """Every parameter of `abstract_tree` from the safetensors in `model_dir`, placed
+    (quantized at load where `spec` says so); a checkpoint tensor the model does not
+    use is an error, but for the names in `ignored`."""
+    abstract = dict(_flatten(abstract_tree))
     index = SafetensorsIndex(model_dir)
     placer = ShardedPlacer(mesh, spec) if mesh is not None else None
     flat = {}
@@ -208,8 +222,8 @@ def _read_safetensors(
             flat[path] = jax.device_put(_convert(array, shaped.dtype))
         else:
             flat[path] = placer(name, array, shaped.dtype)
-    _check_unused(model_dir, index.names() - {hf_name(p) for p in flat}, spec)
-    return flat
+    _check_unused(model_dir, index.names() - {hf_name(p) for p in flat} - ignored, spec)
+    return _unflatten(flat)
 
 
 def _convert(array: np.ndarray, dtype: jnp.dtype) -> np.ndarray:

@@ -1,22 +1,37 @@
-"""The draft model of speculative decoding, on the device.
+"""Speculative decoding's proposers on the device: a draft model, or an EAGLE head.
 
-Owns the two programs a draft model adds to a step, both traced into the runner's
-jitted functions:
-- `write_kv`: the draft runs the target's own packed batch (same tokens, positions,
-  slots, block tables) over its own KV layers, so its cache covers every position the
+Each owns the two programs it adds to a step, both traced into the runner's jitted
+functions:
+- `write_kv`, inside the target's forward, over the target's own packed batch (same
+  positions, slots, block tables), so the proposer's cache covers every position the
   target's does, in the same blocks (copy-on-write, swaps and the prefix cache's host
   tier move both, as one list of layers);
-- `propose`: from each row's newest token (position p), k decode steps of the draft
-  alone, each writing its K/V at p + i (slots the scheduler allocated ahead) and
-  drawing the next draft token from q = softmax(logits / temperature) (one-hot at the
-  argmax for greedy rows) with the request's seed at that output index. The drafts
-  go to the host, the q rows stay on the device for the target's rejection sampler.
-The draft's cache must share the target's block size and block count; its own layer,
+- `propose`, after the step: k unrolled single-token steps per row, each writing its
+  K/V into slots the scheduler allocated ahead and drawing the next draft token from
+  q = softmax(logits / temperature) (one-hot at the argmax for greedy rows) with the
+  request's seed at that output index. The drafts go to the host, the q rows stay on
+  the device for the target's rejection sampler.
+
+A draft model (`Drafter`) is a whole smaller model: `write_kv` runs it over the batch's
+tokens, and `propose` decodes from each row's newest token at position p.
+
+An EAGLE-1 head (`EagleDrafter`, `jvllm.models.eagle`) reads the target instead: its
+entry at position i is computed from the token at i + 1 and the target's final hidden
+state at i, and it predicts the feature (hence the token) one further on. `write_kv`
+pairs each batch position with the next token in its row; a row's last position has
+none in the batch, so `propose` first rewrites that entry (position p - 1, where the
+newest token p was sampled from) with the newest token and the target's feature there,
+then feeds its own output features forward for the remaining steps. A row that takes
+no drafts (a prefill chunk short of the prompt's end, a sequence one token from its
+limit) still gets that first step, so its next chunk or row attends to a true entry.
+
+The proposer's cache shares the target's block size and block count; its own layer,
 head and dimension counts are free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -36,21 +51,36 @@ class ProposalInputs(NamedTuple):
     """One proposal call's rows, padded to a row bucket (numpy on the host)."""
 
     tokens: Any  # i32[S]: each row's newest token
-    positions: Any  # i32[S]: its position p
-    tables: Any  # i32[S, W]: block tables covering p + k - 1 where limits allow
+    positions: Any  # i32[S]: the first step's position (see DraftRow.position)
+    tables: Any  # i32[S, W]: block tables covering the steps' positions
     limits: Any  # i32[S]: draft tokens wanted (0 for padding rows), at most k
     seeds: Any  # u32[S]
     steps: Any  # i32[S]: output tokens before the newest one's successor
     temperature: Any  # f32[S]
+    feature_rows: Any  # i32[S]: EAGLE: the step's logits row the newest token came from
+
+
+# (token [S], position [S], attention metadata, carried state) -> (hidden [S, H], carry,
+# caches): one single-token step of a proposer; its hidden states go through `logits`.
+StepFn = Callable[[jax.Array, jax.Array, AttentionMetadata, Any, list[KVCache]], Any]
 
 
 class Drafter:
+    """A draft model: a smaller model of the same vocabulary, with its own KV layers."""
+
     def __init__(self, loaded: LoadedModel, num_speculative_tokens: int, block_size: int) -> None:
         self.model = loaded
         self.k = num_speculative_tokens
         self.block_size = block_size
 
-    def write_kv(self, params: Any, caches: list[KVCache], inp: ModelInput) -> list[KVCache]:
+    def write_kv(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        hidden: jax.Array,
+    ) -> list[KVCache]:
         """The draft's K/V for the target's batch (its hidden states are not used)."""
         _, caches = self.model.module.apply(
             {"params": params}, inp.token_ids, inp.positions, caches, inp.attn
@@ -58,37 +88,124 @@ class Drafter:
         return caches
 
     def propose(
-        self, params: Any, caches: list[KVCache], rows: ProposalInputs
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array,
     ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
         """k draft tokens per row `[S, k]`, their distributions `[S * k, V]` (row r's
-        i-th at r * k + i) and the updated cache. Steps past a row's limit write into
-        the null block and their tokens are ignored."""
-        module, bs = self.model.module, self.block_size
-        num_rows = rows.tokens.shape[0]
-        greedy = rows.temperature < SAMPLING_EPS
-        temperature = jnp.where(greedy, 1.0, rows.temperature)[:, None]
-        qsl = jnp.arange(num_rows + 1, dtype=jnp.int32)
-        token = rows.tokens
-        drafts, dists = [], []
-        for i in range(self.k):
-            valid = i < rows.limits
-            # Past the limit, re-read position p: finite values, nothing written but
-            # the null block.
-            pos = jnp.where(valid, rows.positions + i, rows.positions)
-            blocks = jnp.take_along_axis(rows.tables, (pos // bs)[:, None], axis=1)[:, 0]
-            slots = jnp.where(valid, blocks * bs + pos % bs, 0)
-            attn = AttentionMetadata(slots, qsl, pos + 1, rows.tables)
+        i-th at r * k + i) and the updated cache, from each row's newest token at its
+        position."""
+        module = self.model.module
+
+        def step(token, pos, attn, carry, caches):
             hidden, caches = module.apply({"params": params}, token, pos, caches, attn)
-            logits = module.apply({"params": params}, hidden, method=module.logits)
-            logits = logits.astype(jnp.float32)
-            argmax = jnp.argmax(logits, axis=-1)
-            q = jax.nn.softmax(logits / temperature, axis=-1)
-            q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, q.shape[-1]), q)
-            token = jax.vmap(_draw)(rows.seeds, rows.steps + i, q).astype(jnp.int32)
-            drafts.append(token)
-            dists.append(q)
-        q_rows = jnp.stack(dists, axis=1).reshape(num_rows * self.k, -1)
-        return jnp.stack(drafts, axis=1), q_rows, caches
+            return hidden, carry, caches
+
+        score = lambda h: module.apply({"params": params}, h, method=module.logits)
+        return draft_steps(self.k, self.block_size, rows, caches, step, score, None, False)
+
+
+class EagleDrafter:
+    """An EAGLE-1 head over the target's hidden states (see the module docstring)."""
+
+    def __init__(
+        self,
+        head: LoadedModel,
+        target: LoadedModel,
+        num_speculative_tokens: int,
+        block_size: int,
+    ) -> None:
+        self.model = head
+        self.target = target
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+
+    def _embed(self, target_params: Any, token_ids: jax.Array) -> jax.Array:
+        module = self.target.module
+        embed = lambda m, ids: m.model.embed_tokens(ids)
+        return module.apply({"params": target_params}, token_ids, method=embed)
+
+    def write_kv(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        hidden: jax.Array,
+    ) -> list[KVCache]:
+        """Entry i from the next token of the batch and the target's feature at i; each
+        row's last entry pairs with another row's token until `propose` rewrites it."""
+        following = jnp.roll(inp.token_ids, -1)
+        embeds = self._embed(target_params, following)
+        _, caches = self.model.module.apply(
+            {"params": params}, embeds, hidden, inp.positions, caches, inp.attn
+        )
+        return caches
+
+    def propose(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """As `Drafter.propose`; `features` `[R, H]` are the step's hidden states at its
+        logits rows, and a row's first step runs at the position before its newest
+        token, whatever its limit."""
+        module, target = self.model.module, self.target.module
+
+        def step(token, pos, attn, feature, caches):
+            embeds = self._embed(target_params, token)
+            out, caches = module.apply({"params": params}, embeds, feature, pos, caches, attn)
+            return out, out, caches
+
+        score = lambda h: target.apply({"params": target_params}, h, method=target.logits)
+        first = features[rows.feature_rows]
+        return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+
+
+def draft_steps(
+    k: int,
+    block_size: int,
+    rows: ProposalInputs,
+    caches: list[KVCache],
+    step: StepFn,
+    score: Callable[[jax.Array], jax.Array],
+    carry: Any,
+    first_always: bool,
+) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+    """k unrolled single-token steps from `rows`; step i (at position + i) draws draft
+    i + 1. Steps past a row's limit (but the first, with `first_always`) write into the
+    null block and their tokens are ignored."""
+    num_rows = rows.tokens.shape[0]
+    greedy = rows.temperature < SAMPLING_EPS
+    temperature = jnp.where(greedy, 1.0, rows.temperature)[:, None]
+    qsl = jnp.arange(num_rows + 1, dtype=jnp.int32)
+    limits = jnp.maximum(rows.limits, 1) if first_always else rows.limits
+    token = rows.tokens
+    drafts, dists = [], []
+    for i in range(k):
+        valid = i < limits
+        # Past the limit, re-read the first position: finite values, nothing written
+        # but the null block.
+        pos = jnp.where(valid, rows.positions + i, rows.positions)
+        blocks = jnp.take_along_axis(rows.tables, (pos // block_size)[:, None], axis=1)[:, 0]
+        slots = jnp.where(valid, blocks * block_size + pos % block_size, 0)
+        attn = AttentionMetadata(slots, qsl, pos + 1, rows.tables)
+        hidden, carry, caches = step(token, pos, attn, carry, caches)
+        logits = score(hidden).astype(jnp.float32)
+        argmax = jnp.argmax(logits, axis=-1)
+        q = jax.nn.softmax(logits / temperature, axis=-1)
+        q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, q.shape[-1]), q)
+        token = jax.vmap(_draw)(rows.seeds, rows.steps + i, q).astype(jnp.int32)
+        drafts.append(token)
+        dists.append(q)
+    q_rows = jnp.stack(dists, axis=1).reshape(num_rows * k, -1)
+    return jnp.stack(drafts, axis=1), q_rows, caches
 
 
 def _draw(seed: jax.Array, step: jax.Array, probs: jax.Array) -> jax.Array:

@@ -38,9 +38,10 @@ from jvllm.engine.spec_decode import DraftRow
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
+from jvllm.models.eagle import EagleHead
 from jvllm.models.loader import LoadedModel
 from jvllm.parallel.mesh import cache_sharding, replicated
-from jvllm.runner.drafter import Drafter, ProposalInputs
+from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -122,16 +123,19 @@ class ModelRunner:
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
         limits fix the buckets and the block-table width, and `num_lookahead_tokens`
         (speculative decoding's k) the logits rows a row may need beyond its one.
-        `draft`: speculative decoding's draft model, whose KV layers follow the target's
-        in `caches` (same blocks)."""
+        `draft`: speculative decoding's draft model or EAGLE head, whose KV layers
+        follow the target's in `caches` (same blocks)."""
         self.model = loaded
-        self.drafter = (
-            Drafter(draft, num_lookahead_tokens, cache_config.block_size) if draft else None
-        )
+        self.drafter: Drafter | EagleDrafter | None = None
+        k, block_size = num_lookahead_tokens, cache_config.block_size
+        if draft is not None and isinstance(draft.module, EagleHead):
+            self.drafter = EagleDrafter(draft, loaded, k, block_size)
+        elif draft is not None:
+            self.drafter = Drafter(draft, k, block_size)
         self.num_target_layers = loaded.spec.num_layers
         self.mesh = mesh
         self.spec = loaded.spec
-        self.block_size = block_size = cache_config.block_size
+        self.block_size = block_size
         self.kv_dtype = jnp.dtype(cache_config.kv_dtype(loaded.dtype))
         self.num_blocks = num_blocks
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -146,6 +150,9 @@ class ModelRunner:
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
         self.caches = self._allocate_cache(num_blocks)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
+        # [R, H] device array: an EAGLE head's input, the last step's logits rows' hidden
+        # states (padded to the largest logits-row bucket, so one proposal program each).
+        self.features = None
         if self.drafter is not None:
             # Row counts of the proposal programs: 1, 4, 16, ... max_num_seqs.
             self.proposal_buckets = pow2_buckets(1, self.max_num_seqs, ratio=4)
@@ -196,7 +203,7 @@ class ModelRunner:
         last_sampled: jax.Array,
         shape: BatchShape,
         draft_params: Any = None,
-    ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         inp = unpack(packed, shape, last_sampled)
         module = self.model.module
         split = self.num_target_layers
@@ -205,19 +212,32 @@ class ModelRunner:
         )
         draft_caches = caches[split:]
         if self.drafter is not None:
-            draft_caches = self.drafter.write_kv(draft_params, draft_caches, inp)
+            draft_caches = self.drafter.write_kv(draft_params, params, draft_caches, inp, hidden)
         last = hidden[inp.logits_indices]  # [S, H]
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
         last_inputs = inp.token_ids[inp.logits_indices]  # [S]
-        return logits, hidden, [*target_caches, *draft_caches], last_inputs
+        features = None
+        if isinstance(self.drafter, EagleDrafter):
+            features = jnp.zeros((self.max_rows, last.shape[-1]), last.dtype)
+            features = features.at[: last.shape[0]].set(last)
+            if self.mesh is not None:
+                features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
+        return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
 
     def _propose(
-        self, params: Any, caches: list[KVCache], rows: ProposalInputs
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array | None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        """The draft model's proposal (`Drafter.propose`), its q rows padded to [Q, V]."""
+        """The proposer's drafts (`Drafter.propose`), its q rows padded to [Q, V]."""
         assert self.drafter is not None and self.draft_probs is not None
         split = self.num_target_layers
-        drafts, q, draft_caches = self.drafter.propose(params, caches[split:], rows)
+        drafts, q, draft_caches = self.drafter.propose(
+            params, target_params, caches[split:], rows, features
+        )
         padded = jnp.zeros(self.draft_probs.shape, jnp.float32).at[: q.shape[0]].set(q)
         if self.mesh is not None:
             padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
@@ -363,7 +383,7 @@ class ModelRunner:
         shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
         packed = pack_rows(rows, shape, self.block_size)
         draft_params = self.drafter.model.params if self.drafter is not None else None
-        logits, hidden, self.caches, last_input = self._forward_fn(
+        logits, hidden, self.caches, last_input, features = self._forward_fn(
             self.model.params,
             self.caches,
             self._put(packed),
@@ -371,6 +391,8 @@ class ModelRunner:
             shape=shape,
             draft_params=draft_params,
         )
+        if features is not None:
+            self.features = features
         return logits, hidden, last_input, shape
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -420,9 +442,10 @@ class ModelRunner:
         return PendingStep(out, scored, lengths, len(sampling_rows))
 
     def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
-        """The draft model's k tokens for each row (waited for); their distributions stay
+        """The proposer's k tokens for each row (waited for); their distributions stay
         on the device (`draft_probs`, row r's i-th token at r * k + i) for the next
-        step's rejection sampler. `num_rows` forces the row bucket (warm-up)."""
+        step's rejection sampler. `num_rows` forces the row bucket (warm-up). An EAGLE
+        head reads the hidden states of the step last run (`features`)."""
         assert self.drafter is not None
         n = len(rows)
         s = num_rows or pick_bucket(max(n, 1), self.proposal_buckets)
@@ -434,14 +457,20 @@ class ModelRunner:
             seeds=np.zeros(s, np.uint32),
             steps=np.zeros(s, np.int32),
             temperature=np.zeros(s, np.float32),
+            feature_rows=np.zeros(s, np.int32),
         )
         for i, row in enumerate(rows):
             inputs.tokens[i], inputs.positions[i] = row.token_id, row.position
             inputs.tables[i, : len(row.block_table)] = row.block_table
             inputs.limits[i], inputs.seeds[i] = row.num_tokens, row.seed
             inputs.steps[i], inputs.temperature[i] = row.step_index, row.temperature
+            inputs.feature_rows[i] = row.feature_row
         drafts, self.draft_probs, self.caches = self._propose_fn(
-            self.drafter.model.params, self.caches, self._put(inputs)
+            self.drafter.model.params,
+            self.model.params,
+            self.caches,
+            self._put(inputs),
+            self.features,
         )
         host = np.asarray(drafts)
         return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]

@@ -129,3 +129,46 @@ def test_attention_and_lm_head_run_per_device(checkpoints, arch):
     shape = runner.batch_shape(16)
     assert gathered == [("f32", f"{shape.num_seqs},{spec.vocab_size}")], gathered
     assert "all-to-all" not in compiled and "collective-permute" not in compiled
+
+
+def test_draft_proposers_under_tensor_parallelism(tiny_eagle):
+    """A draft model and an EAGLE head sharded with the target at TP=2: the greedy
+    tokens, and the proposer's acceptance counts, of one device."""
+    target, draft, head = tiny_eagle
+    configs = (
+        {"model": draft, "num_speculative_tokens": 3},
+        {"method": "eagle", "model": head, "num_speculative_tokens": 3},
+    )
+    # One token bucket: quick to warm up; the longer prompt is chunked.
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [
+        {"prompt_token_ids": [4 + (i * j) % 4 for j in range(n)]} for i, n in enumerate((3, 20))
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for config in configs:
+        runs = []
+        for tp in (1, 2):
+            llm = LLM(target, speculative_config=config, tensor_parallel_size=tp, **engine)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            m = llm.get_metrics()
+            runs.append(
+                ([o.outputs[0].token_ids for o in outs], m["spec_decode_num_accepted_tokens"])
+            )
+        assert runs[0] == runs[1] and runs[0][1] > 0, config
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle(tmp_path_factory):
+    """A vocabulary-8 llama (4 query and 2 KV heads), a one-layer draft and an EAGLE head."""
+    from jvllm.testing.checkpoints import write_word_tokenizer
+    from jvllm.testing.eagle import make_eagle_head
+
+    root = tmp_path_factory.mktemp("tiny_eagle")
+    write_word_tokenizer(root / "tok", 8)
+    wide = dict(initializer_range=0.5)
+    target = make_checkpoint("llama", root / "target", root / "tok", **wide)
+    draft = make_checkpoint(
+        "llama", root / "draft", root / "tok", seed=4, num_hidden_layers=1, **wide
+    )
+    head = make_eagle_head(target, root / "head", seed=3, init_std=0.5)
+    return str(target), str(draft), str(head)
