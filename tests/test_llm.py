@@ -170,12 +170,12 @@ def test_swap_keeps_seeded_sampling_and_shared_prefixes(checkpoints):
 
 
 def test_host_prefix_tier_brings_evicted_prefixes_back(checkpoints):
-    """A 200-token prefix evicted between its requests by unrelated ones: the host tier
-    keeps it, so later requests hit it instead of computing it again."""
+    """16 requests sharing a 200-token prefix, evicted between them by unrelated ones:
+    the host tier keeps it, so later requests hit it instead of computing it again."""
     rng = np.random.default_rng(11)
     prefix = [int(t) for t in rng.integers(6, 512, size=200)]
     batches = []
-    for i in range(8):
+    for i in range(16):
         shared = {"prompt_token_ids": prefix + [int(t) for t in rng.integers(6, 512, 4 + i)]}
         flusher = {"prompt_token_ids": [int(t) for t in rng.integers(6, 512, 470)]}
         batches += [[shared], [flusher]]
@@ -191,9 +191,11 @@ def test_host_prefix_tier_brings_evicted_prefixes_back(checkpoints):
     off, on = metrics[0.0], metrics[0.001]
     assert off["num_tier_blocks"] == 0 and off["prefix_cache_host_hits"] == 0
     assert on["num_tier_blocks"] > 0 and on["num_offloaded_blocks"] > 0
-    # Most of the 7 later prefixes (12 full blocks each) come back from the host tier.
-    assert on["prefix_cache_host_hits"] >= 5 * 192
-    assert on["prefix_cache_hits"] >= off["prefix_cache_hits"] + 5 * 192
+    # Most of the 15 later prefixes (12 full blocks each) come back from the host tier
+    # (2592 tokens of 2880 when written), so that many fewer prompt tokens are computed.
+    assert on["prefix_cache_host_hits"] >= 12 * 192
+    computed = {size: m["prompt_tokens"] - m["prefix_cache_hits"] for size, m in metrics.items()}
+    assert computed[0.001] <= computed[0.0] - 12 * 192
 
 
 @pytest.mark.parametrize(
