@@ -58,8 +58,8 @@ _HELP = {
     "(with --preemption-mode swap)",
     "kv_offloading_size": "GiB of host memory per device for prefix-cache blocks evicted "
     "from the device (0: off)",
-    "cpu_offload_gb": "GiB of weights per device kept in host memory (CPU backend: "
-    "nothing to offload; other backends: not implemented yet)",
+    "cpu_offload_gb": "GiB of weights per device kept in pinned host memory (whole decoder "
+    "layers from the first; each step copies them in)",
     "kv_cache_dtype": "KV-cache storage: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 "
     "(one byte a value: twice the blocks of bfloat16)",
     "attention_backend": "attention implementation",

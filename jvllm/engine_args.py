@@ -125,12 +125,21 @@ class EngineArgs:
             make_mesh(parallel.tensor_parallel_size) if parallel.tensor_parallel_size > 1 else None
         )
         backend = _resolve_backend(self.attention_backend)
-        loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization)
+        offload = int(self.cpu_offload_gb * memory.GIB)
+        loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization, offload)
         logger.info(
             "Model weights: %.1f MiB (quantization: %s)",
             loaded.weight_bytes / 2**20,
             self.quantization or "none",
         )
+        if self.cpu_offload_gb:
+            logger.info(
+                "cpu_offload_gb=%s: the first %d of %d decoder layers keep their weights in "
+                "host memory",
+                self.cpu_offload_gb,
+                loaded.num_offloaded_layers,
+                loaded.spec.num_layers,
+            )
         max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
@@ -333,19 +342,9 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 
 def _check_cpu_offload(gib: float) -> None:
-    """vLLM's cpu_offload_gb: on the CPU backend the weights are in host memory already,
-    so there is nothing to offload; on an accelerator it is refused, not ignored."""
+    """vLLM's cpu_offload_gb: GiB of weights per device kept in pinned host memory."""
     if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 <= gib < 1e6:
         raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gib!r}")
-    if not gib:
-        return
-    if jax.default_backend() == "cpu":
-        logger.info("cpu_offload_gb=%s: on the CPU backend weights are in host memory", gib)
-        return
-    raise ValueError(
-        f"cpu_offload_gb={gib}: weight offload to host memory is not implemented for "
-        f"the {jax.default_backend()} backend yet; leave it at 0"
-    )
 
 
 def _resolve_backend(backend: str) -> str:

@@ -214,12 +214,34 @@ def test_bad_swap_settings_name_the_flag(checkpoints, kwargs, message):
         make_llm(checkpoints["llama"], **kwargs)
 
 
-def test_cpu_offload_gb_has_nothing_to_offload_on_cpu(checkpoints, caplog):
-    with caplog.at_level("INFO", logger="jvllm"):
-        llm = make_llm(checkpoints["llama"], cpu_offload_gb=1)
-    assert "weights are in host memory" in caplog.text
-    out = llm.generate(token_prompts(prompts(lengths=[8])), GREEDY, use_tqdm=False)
-    assert out[0].outputs[0].token_ids
+def test_cpu_offload_gb_keeps_the_first_layers_in_host_memory(checkpoints, caplog):
+    """A budget of 1.5 layers: llama's first layer of two keeps its weights in pinned host
+    memory (JAX's memory kinds, which the CPU backend has too), the step copies them in,
+    and the tokens are those without offload; at TP=2 each device's half layers both fit."""
+    import jax
+
+    engine = dict(max_num_batched_tokens=32)  # two token buckets: quick to warm up
+    ps = token_prompts(prompts(lengths=[8, 30]))
+    plain = make_llm(checkpoints["llama"], **engine)
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, GREEDY, use_tqdm=False)]
+    layer = plain.llm_engine.runner.model.params["model"]["layers_0"]
+    budget = 1.5 * sum(x.nbytes for x in jax.tree.leaves(layer)) / 2**30
+    del plain
+    for tp, offloaded in ((1, 1), (2, 2)):
+        with caplog.at_level("INFO", logger="jvllm"):
+            llm = make_llm(
+                checkpoints["llama"], cpu_offload_gb=budget, tensor_parallel_size=tp, **engine
+            )
+        assert f"the first {offloaded} of 2 decoder layers" in caplog.text
+        params = llm.llm_engine.runner.model.params["model"]
+        for i in range(2):
+            kinds = {x.sharding.memory_kind for x in jax.tree.leaves(params[f"layers_{i}"])}
+            assert kinds == {"pinned_host" if i < offloaded else "device"}, (tp, i)
+        warm = llm.get_metrics()["num_compilations"]
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == want
+        assert llm.get_metrics()["num_compilations"] == warm
+        del llm
+        caplog.clear()
 
 
 def test_logprobs_match_hf_log_softmax(checkpoints, hf_models):

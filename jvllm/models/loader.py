@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
@@ -38,6 +39,8 @@ _DTYPE_NAMES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".weight_shape")
 
 Params = dict[str, Any]
+# Where offloaded weights live between steps (JAX's memory kinds).
+HOST_MEMORY = "pinned_host"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class LoadedModel:
     params: Params
     dtype: jnp.dtype
     hf_config: dict[str, Any]
+    # Decoder layers 0..n-1 keep their weights in pinned host memory (cpu_offload_gb).
+    num_offloaded_layers: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -109,11 +114,14 @@ def load_model(
     attention_backend: str = "reference",
     mesh: Mesh | None = None,
     quantization: str | None = None,
+    offload_bytes: int = 0,
 ) -> LoadedModel:
     """Loads and places every parameter; on a mesh each device gets only its slices.
 
     `model_dir` is a Hugging Face safetensors checkpoint or a `jvllm convert` output.
     `quantization` ("int8", "fp8") quantizes the linear weights on the host as they load.
+    `offload_bytes` (vLLM's cpu_offload_gb, per device): the first decoder layers whose
+    weights fit in it stay in pinned host memory; the step copies them in as it runs.
     """
     model_dir = Path(model_dir)
     check_quantization(quantization)
@@ -140,12 +148,43 @@ def load_model(
     built_spec = sharded_spec(spec, tp)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
     abstract = abstract_params(module, built_spec)
+    num_offloaded = offloaded_layer_count(abstract, offload_bytes, tp)
+    offloaded = lambda path: _layer_index(path) < num_offloaded
     if converted:
         flat = orbax_checkpoint.restore(model_dir, dict(_flatten(abstract)), spec, mesh)
+        for path in flat:
+            if offloaded(path):
+                host = flat[path].sharding.with_memory_kind(HOST_MEMORY)
+                flat[path] = jax.device_put(flat[path], host)
         params = _unflatten(flat)
     else:
-        params = read_params(model_dir, abstract, spec, mesh)
-    return LoadedModel(built_spec, module, params, target, hf_config)
+        params = read_params(model_dir, abstract, spec, mesh, offloaded=offloaded)
+    return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded)
+
+
+def _layer_index(path: tuple[str, ...]) -> float:
+    """i for a parameter of decoder layer i (`model.layers_i...`), else infinity."""
+    if len(path) > 1 and path[0] == "model" and path[1].startswith("layers_"):
+        return int(path[1].removeprefix("layers_"))
+    return float("inf")
+
+
+def offloaded_layer_count(abstract: Params, budget_bytes: int, tp: int) -> int:
+    """How many decoder layers, from the first, fit their weights (per device, each
+    split `tp` ways) in `budget_bytes`."""
+    per_layer: dict[int, float] = {}
+    for path, leaf in _flatten(abstract):
+        index = _layer_index(path)
+        if index != float("inf"):
+            nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize / tp
+            per_layer[int(index)] = per_layer.get(int(index), 0.0) + nbytes
+    count, used = 0, 0.0
+    for index in sorted(per_layer):
+        if used + per_layer[index] > budget_bytes:
+            break
+        used += per_layer[index]
+        count += 1
+    return count
 
 
 def _checkpoint_scheme(model_dir: Path, config: dict[str, Any], requested: str | None) -> Any:
@@ -190,13 +229,23 @@ def read_params(
     spec: ModelSpec,
     mesh: Mesh | None,
     ignored: frozenset[str] = frozenset(),
+    offloaded: Callable[[tuple[str, ...]], bool] = lambda path: False,
 ) -> Params:
     """Every parameter of `abstract_tree` from the safetensors in `model_dir`, placed
-    (quantized at load where `spec` says so); a checkpoint tensor the model does not
-    use is an error, but for the names in `ignored`."""
+    (quantized at load where `spec` says so; in pinned host memory where `offloaded`
+    says so of its path); a checkpoint tensor the model does not use is an error, but
+    for the names in `ignored`."""
     abstract = dict(_flatten(abstract_tree))
     index = SafetensorsIndex(model_dir)
     placer = ShardedPlacer(mesh, spec) if mesh is not None else None
+    host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
+
+    def place(path: tuple[str, ...], array: np.ndarray, dtype: jnp.dtype) -> jax.Array:
+        kind = HOST_MEMORY if offloaded(path) else None
+        if placer is not None:
+            return placer(hf_name(path), array, dtype, memory_kind=kind)
+        return jax.device_put(_convert(array, dtype), host if kind else None)
+
     flat = {}
     for path, shaped in abstract.items():
         if path[-1] == "weight_scale" and isinstance(spec.quantization, str):
@@ -216,12 +265,8 @@ def read_params(
         scale_path = (*path[:-1], "weight_scale")
         if path[-1] == "weight" and scale_path in abstract and isinstance(spec.quantization, str):
             array, scale = quantize(array, spec.quantization)  # on the host
-            place = placer or (lambda _, a, dtype: jax.device_put(_convert(a, dtype)))
-            flat[scale_path] = place(hf_name(scale_path), scale, jnp.float32)
-        if placer is None:
-            flat[path] = jax.device_put(_convert(array, shaped.dtype))
-        else:
-            flat[path] = placer(name, array, shaped.dtype)
+            flat[scale_path] = place(scale_path, scale, jnp.float32)
+        flat[path] = place(path, array, shaped.dtype)
     _check_unused(model_dir, index.names() - {hf_name(p) for p in flat} - ignored, spec)
     return _unflatten(flat)
 

@@ -43,11 +43,15 @@ class ShardedPlacer:
             return (shape[0] // repeats, *shape[1:])
         return shape
 
-    def __call__(self, name: str, array: np.ndarray, dtype: jnp.dtype) -> jax.Array:
+    def __call__(
+        self, name: str, array: np.ndarray, dtype: jnp.dtype, memory_kind: str | None = None
+    ) -> jax.Array:
+        """The parameter's slices on their devices (in `memory_kind` memory if given)."""
         repeats = kv_replication(self.spec, self.tp)
         if repeats > 1 and _is_kv_projection(name):
             array = repeat_kv_heads(array, repeats, self.spec.head_dim)
-        sharding = NamedSharding(self.mesh, partition_spec(name, array.shape, self.spec, self.tp))
+        spec = partition_spec(name, array.shape, self.spec, self.tp)
+        sharding = NamedSharding(self.mesh, spec, memory_kind=memory_kind)
         target = to_numpy_dtype(dtype)
         return jax.make_array_from_callback(
             array.shape, sharding, lambda index: np.ascontiguousarray(array[index], dtype=target)

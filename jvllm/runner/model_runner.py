@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.llm_engine import LateSampling
@@ -39,7 +39,7 @@ from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
 from jvllm.models.eagle import EagleHead
-from jvllm.models.loader import LoadedModel
+from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import cache_sharding, replicated
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
@@ -148,6 +148,13 @@ class ModelRunner:
         self.num_lookahead_tokens = num_lookahead_tokens
         # The largest logits-row bucket.
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
+        # Offloaded weights (cpu_offload_gb): parameter path -> its device-memory sharding.
+        self._bring_in_shardings = {
+            jax.tree_util.keystr(path): leaf.sharding.with_memory_kind("device")
+            for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params)
+            if getattr(leaf, "sharding", None) is not None
+            and leaf.sharding.memory_kind == HOST_MEMORY
+        }
         self.caches = self._allocate_cache(num_blocks)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
         # [R, H] device array: an EAGLE head's input, the last step's logits rows' hidden
@@ -158,12 +165,12 @@ class ModelRunner:
             self.proposal_buckets = pow2_buckets(1, self.max_num_seqs, ratio=4)
             q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
             q = np.zeros(q_shape, np.float32)  # on the device, as what replaces it
-            self.draft_probs = jax.device_put(q) if mesh is None else self._put(q)
+            self.draft_probs = self._device_array(q)
             self._propose_fn = jax.jit(self._propose, donate_argnames=("caches",))
         zeros = np.zeros(self.max_rows, np.int32)  # [R]
         # A device array, like the sampler output that replaces it every step: a host
         # array here would give every forward bucket a second program at serve time.
-        self.last_sampled = jax.device_put(zeros) if mesh is None else self._put(zeros)
+        self.last_sampled = self._device_array(zeros)
         self._forward_fn = jax.jit(
             self._forward, static_argnames=("shape",), donate_argnames=("caches",)
         )
@@ -205,6 +212,7 @@ class ModelRunner:
         draft_params: Any = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         inp = unpack(packed, shape, last_sampled)
+        params = self._bring_in(params)
         module = self.model.module
         split = self.num_target_layers
         hidden, target_caches = module.apply(
@@ -223,6 +231,18 @@ class ModelRunner:
             if self.mesh is not None:
                 features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
+
+    def _bring_in(self, params: Any) -> Any:
+        """The offloaded layers' weights copied from host memory into the step (XLA
+        schedules the copies); the rest as they are."""
+        if not self._bring_in_shardings:
+            return params
+
+        def move(path: Any, leaf: jax.Array) -> jax.Array:
+            target = self._bring_in_shardings.get(jax.tree_util.keystr(path))
+            return leaf if target is None else jax.device_put(leaf, target)
+
+        return jax.tree_util.tree_map_with_path(move, params)
 
     def _propose(
         self,
@@ -299,7 +319,8 @@ class ModelRunner:
         ]
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
-        sharding = cache_sharding(self.mesh)  # KV heads split across the mesh
+        # KV heads split across the mesh; on one device, see _device_array.
+        sharding = cache_sharding(self.mesh) or self._device_memory()
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
         zeros = lambda shape: jnp.zeros(shape, self.kv_dtype, device=sharding)
         return [(zeros(shape), zeros(shape)) for shape in self._layer_shapes(num_blocks)]
@@ -355,6 +376,20 @@ class ModelRunner:
             first, second = np.array(chunk, np.int32).T
             chunks.append((first, second))
         return chunks
+
+    def _device_array(self, x: np.ndarray) -> jax.Array:
+        """`x` on the device as a program's output of it would be placed. With offloaded
+        weights, program outputs name their memory kind: so must this, or the program
+        that takes it compiles once for each."""
+        if self.mesh is not None:
+            return self._put(x)
+        return jax.device_put(x, self._device_memory())
+
+    def _device_memory(self) -> SingleDeviceSharding | None:
+        """Device memory, named when weights are offloaded (see `_device_array`)."""
+        if not self._bring_in_shardings:
+            return None
+        return SingleDeviceSharding(jax.local_devices()[0], memory_kind="device")
 
     def _put(self, tree: Any) -> Any:
         """Host arrays for a jitted program; on a mesh, placed replicated on every device.
