@@ -70,6 +70,11 @@ IGNORE=()
 "$PY" -c "import starlette, pydantic, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/server)
 step gpu-tests 240 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${IGNORE[@]}" tests
 step kernel 240 "$PY" bench/kernel.py --sweep 256 --output "$RESULTS/kernel.json"
+if [ "$(left)" -gt 330 ]; then
+  # The demo model with and without n-gram lookup and its EAGLE head, at 1 and 4 sequences.
+  step spec-decode 150 "$PY" bench/spec_decode.py --concurrency 1,4 --num-prompts 8 \
+    --repeats 1 --max-tokens 64 --eagle demo --out "$RESULTS/spec_decode_gpu.json"
+fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
   step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
@@ -91,5 +96,9 @@ fi
 echo "=== deviceless predictions (tests/gpu_compile, no GPU) | this GPU"
 timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.json" 2>&1 |
   tee "$LOGS/predictions.log" | grep -v "^W\|^I0"
+if [ -f "$LOGS/spec-decode.log" ]; then
+  echo "=== speculative decoding, demo model (tokens/s, acceptance)"
+  sed -n '/concurrency  *proposer/,$p' "$LOGS/spec-decode.log" | head -10
+fi
 echo "=== steps ($((SECONDS))s in all)"
 printf '%s\n' "${SUMMARY[@]}"

@@ -13,6 +13,7 @@ token's) / (tokens - 1).
 
     python bench/spec_decode.py [--concurrency 1,4] [--num-prompts 8] [--max-tokens 128]
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}']
+        [--draft-model demo] [--eagle demo] [--num-draft-tokens 3]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 from bench import common
 from jvllm import LLM, SamplingParams
-from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
+from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_eagle_path, demo_model_path
 from jvllm.demo.corpus import PROMPTS
 
 DEFAULT_SPEC = {
@@ -99,6 +100,10 @@ def main(argv: list[str]) -> None:
         help="also run a draft model (a checkpoint with the demo's vocabulary; 'demo': "
         "the demo model drafting for itself, every greedy draft kept: the ceiling)",
     )
+    ap.add_argument(
+        "--eagle",
+        help="also run an EAGLE-1 head for the demo model (a directory; 'demo': the shipped one)",
+    )
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "spec_decode.json")
@@ -109,6 +114,13 @@ def main(argv: list[str]) -> None:
     if args.draft_model:
         draft = str(demo_model_path()) if args.draft_model == "demo" else args.draft_model
         configs["draft"] = {"model": draft, "num_speculative_tokens": args.num_draft_tokens}
+    if args.eagle:
+        head = str(demo_eagle_path()) if args.eagle == "demo" else args.eagle
+        configs["eagle"] = {
+            "method": "eagle",
+            "model": head,
+            "num_speculative_tokens": args.num_draft_tokens,
+        }
     table, runs = [], {}
     for c in [int(x) for x in args.concurrency.split(",")]:
         engine_args = {**DEMO_ENGINE_DEFAULTS, "max_num_seqs": c}

@@ -2,7 +2,9 @@
 
 `jvllm serve` and `LLM()` run it when given no model. This package owns where it lives,
 its name and the engine limits it is served with; `corpus`, `tokenizer`, `train` and
-`export` rebuild it (`python -m jvllm.demo.train --out DIR`). Importing this module
+`export` rebuild it (`python -m jvllm.demo.train --out DIR`); an EAGLE-1 head trained
+for it ships beside it (`demo_eagle_path()`, `python -m jvllm.demo.train_eagle`), for
+speculative decoding. Importing this module
 imports neither jax nor the training code.
 """
 
@@ -15,6 +17,7 @@ from typing import Any
 
 DEMO_NAME = "jvllm-demo"
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
+DEMO_EAGLE_DIR = Path(__file__).parent / "eagle"
 # Engine defaults for the demo, applied unless the caller sets them: its context is 1024
 # positions (trained on 256), and it is small enough that CPU float32 is the fast path.
 DEMO_ENGINE_DEFAULTS: dict[str, Any] = dict(
@@ -30,6 +33,16 @@ def demo_model_path() -> Path:
             "rebuild it with `python -m jvllm.demo.train --out " + str(DEMO_MODEL_DIR) + "`"
         )
     return DEMO_MODEL_DIR
+
+
+def demo_eagle_path() -> Path:
+    """The shipped EAGLE-1 head for the demo model (speculative_config's "model")."""
+    if not (DEMO_EAGLE_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo EAGLE head is missing from {DEMO_EAGLE_DIR}; reinstall jvllm, or "
+            "rebuild it with `python -m jvllm.demo.train_eagle --out " + str(DEMO_EAGLE_DIR) + "`"
+        )
+    return DEMO_EAGLE_DIR
 
 
 @cache

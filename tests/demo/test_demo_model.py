@@ -159,3 +159,26 @@ def test_training_report_matches_checkpoint():
     assert report["parameters"] == v * h + h + n * per_layer
     assert report["held_out_perplexity"] == pytest.approx(math.exp(report["held_out_loss"]), 1e-3)
     assert (DEMO_MODEL_DIR / "model.safetensors").stat().st_size < 20 * 2**20
+
+
+def test_the_shipped_eagle_head_drafts_as_transformers_and_is_often_right(llm, hf):
+    """The demo's EAGLE-1 head (trained for it): greedy outputs equal plain decoding, most
+    drafts are kept, and each proposal equals a Transformers-built head's."""
+    from jvllm.demo import demo_eagle_path
+    from jvllm.testing.eagle import load_head, reference_drafts
+    from tests.test_eagle import _record_drafts
+
+    config = {"method": "eagle", "model": str(demo_eagle_path()), "num_speculative_tokens": 3}
+    # One token bucket: quick to warm up.
+    spec = LLM(
+        speculative_config=config, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    seen = _record_drafts(spec)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)] == want
+    m = spec.get_metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0.5 * m["spec_decode_num_draft_tokens"]
+    head = load_head(demo_eagle_path())
+    for sequence, drafts in seen[::4]:
+        assert reference_drafts(hf, head, sequence, len(drafts)) == drafts
