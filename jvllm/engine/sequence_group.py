@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jvllm.engine.detokenizer import IncrementalDetokenizer
+from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest
 from jvllm.engine.token_constraints import Constraints
@@ -36,7 +36,7 @@ class SequenceState:
         self.index = index
         self.seed = seed
         self.group_id = group_id
-        self._tokenizer = tokenizer
+        self._decode_ids = decoder(tokenizer)
         self.detok = IncrementalDetokenizer(
             tokenizer,
             request.prompt_token_ids,
@@ -161,7 +161,7 @@ class SequenceState:
         return {token: entry.pop(token), **entry}  # the chosen token first
 
     def _decode(self, token: int) -> str:
-        return self._tokenizer.decode([token])
+        return self._decode_ids([token], False)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
