@@ -154,6 +154,18 @@ def evaluate(loss_fn: Any, params: dict, examples: list[list[int]], pad: int) ->
     return total / count
 
 
+def make_optimizer(lr: float, steps: int) -> Any:
+    """AdamW (b2 0.95, weight decay 0.1) with a linear warm-up and a cosine decay to lr / 10,
+    gradients clipped to norm 1."""
+    import optax
+
+    warmup = min(100, steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.1)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1)
+    )
+
+
 def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -168,11 +180,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
     pad = tok.pad_token_id
     rng = np.random.default_rng(seed)
     params = jax.tree.map(jnp.asarray, init_params(rng, len(tok)))
-    warmup = min(100, steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.1)
-    opt = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1)
-    )
+    opt = make_optimizer(lr, steps)
     opt_state = opt.init(params)
     eval_loss = jax.jit(token_losses)
 

@@ -37,6 +37,7 @@ from jvllm.demo.train import (
     encode_examples,
     held_out_batches,
     init_params,
+    make_optimizer,
 )
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -345,11 +346,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
     embed = target["embed"]
     rng = np.random.default_rng(seed)
     head = init_head(rng, embed.shape[0])
-    warmup = min(100, steps // 10)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.1)
-    opt = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1)
-    )
+    opt = make_optimizer(lr, steps)
     opt_state = opt.init(head)
     eval_fn = jax.jit(eval_sums)
 
