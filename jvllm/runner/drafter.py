@@ -209,6 +209,12 @@ def draft_steps(
 
 
 def _draw(seed: jax.Array, step: jax.Array, probs: jax.Array) -> jax.Array:
-    """One row's draft token from `probs`, keyed by the request's seed and output index."""
+    """One row's draft token from `probs`, keyed by the request's seed and output index:
+    the inverse of its cumulative distribution at one uniform draw (one random number a
+    row, where a Gumbel draw takes one a vocabulary entry). A one-hot row gives its
+    token whatever the draw."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), _DRAFT_TAG)
-    return jax.random.categorical(key, jnp.log(probs))
+    cdf = jnp.cumsum(probs)
+    # Scaled by the total, so rounding never lands past the last token with mass.
+    threshold = jax.random.uniform(key, dtype=cdf.dtype) * cdf[-1]
+    return jnp.minimum(jnp.sum(cdf <= threshold), probs.shape[-1] - 1)
