@@ -118,7 +118,11 @@ def sample(
             decided = rejection_sample(p, q, jnp.maximum(md.draft_token_ids, 0), keys)
             return jnp.where(drafted, decided, token_ids)
 
-        token_ids = lax.cond(jnp.any(drafted), verified, lambda: token_ids)
+        # A greedy row's verdict is its argmax whatever the draft (p and q are one-hot,
+        # the residual of a wrong draft is p): only sampled rows need the rejection rule.
+        # A greedy row's verdict is its argmax whatever the draft (p and q are one-hot,
+        # the residual of a wrong draft is p): only sampled rows need the rejection rule.
+        token_ids = lax.cond(jnp.any(drafted & ~greedy), verified, lambda: token_ids)
     num_top = min(NUM_TOP_CANDIDATES, logits.shape[-1])
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -268,6 +272,16 @@ def rejection_sample(
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (p.shape[-1],), jnp.float32))(keys)
     replacement = jnp.argmax(jnp.log(weights) + noise, axis=-1).astype(jnp.int32)
     return jnp.where(accept, draft_ids.astype(jnp.int32), replacement)
+
+
+def inverse_cdf_draw(weights: jax.Array, key: jax.Array) -> jax.Array:
+    """A token drawn from one row's unnormalised `weights [V]` by inverting their
+    cumulative sum at one uniform draw: one random number a row, where a Gumbel-max draw
+    takes one a vocabulary entry. The threshold is scaled by the total, so rounding never
+    lands past the last token with weight."""
+    cdf = jnp.cumsum(weights)
+    threshold = jax.random.uniform(key, dtype=cdf.dtype) * cdf[-1]
+    return jnp.minimum(jnp.sum(cdf <= threshold), weights.shape[-1] - 1).astype(jnp.int32)
 
 
 def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
+from jvllm.layers.sampler import inverse_cdf_draw
 from jvllm.models.loader import LoadedModel
 from jvllm.runner.input_batch import ModelInput
 from jvllm.sampling_params import SAMPLING_EPS
@@ -209,12 +210,7 @@ def draft_steps(
 
 
 def _draw(seed: jax.Array, step: jax.Array, probs: jax.Array) -> jax.Array:
-    """One row's draft token from `probs`, keyed by the request's seed and output index:
-    the inverse of its cumulative distribution at one uniform draw (one random number a
-    row, where a Gumbel draw takes one a vocabulary entry). A one-hot row gives its
-    token whatever the draw."""
+    """One row's draft token from `probs`, keyed by the request's seed and output index
+    (a one-hot row gives its token whatever the draw)."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), _DRAFT_TAG)
-    cdf = jnp.cumsum(probs)
-    # Scaled by the total, so rounding never lands past the last token with mass.
-    threshold = jax.random.uniform(key, dtype=cdf.dtype) * cdf[-1]
-    return jnp.minimum(jnp.sum(cdf <= threshold), probs.shape[-1] - 1)
+    return inverse_cdf_draw(probs, key)
