@@ -2,19 +2,18 @@
 
 Owns choosing which sequences a proposer drafts for and how many tokens each may take
 (never past max_tokens or max_model_len), asking the proposer (n-gram lookup here, or
-the runner's draft model), reading a verified row's outcome, and vLLM's spec_decode_*
-counters. The drafts ride in the next decode row (the scheduler's lookahead slots);
-the target scores every position of the row in one step. An EAGLE head (method "eagle")
-also needs the rows that take no drafts (prefill chunks, sequences at their limit): its
-proposal program rewrites each row's last entry, from the token after it. For n-gram
-drafts the sampler
-draws each position's token exactly as a step without drafts would (the same
-processors, the same per-request seed and output index), so greedy and seeded outputs
-are token for token those of decoding without speculation; a draft model's tokens go
-through the sampler's rejection rule with their distribution q. Either way a draft is
-kept while it equals the token the sampler chose at its position, and the first token
-that differs (or the one after the last draft) is kept too: each kept draft is one
-step saved.
+the runner's draft model or EAGLE head), reading a verified row's outcome, and vLLM's
+spec_decode_* counters. The drafts ride in the next decode row (the scheduler's lookahead
+slots); the target scores every position of the row in one step. An EAGLE head (method
+"eagle") also needs the rows that take no drafts (prefill chunks, sequences at their
+limit): its proposal program rewrites each row's last entry, from the token after it. For n-gram
+drafts the sampler draws each position's token exactly as a step without drafts would
+(the same processors, the same per-request seed and output index), so greedy and seeded
+outputs are token for token those of decoding without speculation; a draft model's or
+EAGLE head's tokens go through the sampler's rejection rule with their distribution q.
+Either way a draft is kept while it equals the token the sampler chose at its position,
+and the first token that differs (or the one after the last draft) is kept too: each
+kept draft is one step saved.
 """
 
 from __future__ import annotations
@@ -118,8 +117,8 @@ class Speculator:
         prefill chunks short of the prompt's end where `wants_every_row` is False."""
         if self.proposer is not None:
             for seq in sequences:
-                room = self.room(seq.request)
                 request = seq.request
+                room = self.room(request)
                 request.spec_token_ids = (
                     self.proposer.propose(self._sequence(request), room) if room else []
                 )

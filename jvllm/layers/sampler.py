@@ -120,8 +120,6 @@ def sample(
 
         # A greedy row's verdict is its argmax whatever the draft (p and q are one-hot,
         # the residual of a wrong draft is p): only sampled rows need the rejection rule.
-        # A greedy row's verdict is its argmax whatever the draft (p and q are one-hot,
-        # the residual of a wrong draft is p): only sampled rows need the rejection rule.
         token_ids = lax.cond(jnp.any(drafted & ~greedy), verified, lambda: token_ids)
     num_top = min(NUM_TOP_CANDIDATES, logits.shape[-1])
 

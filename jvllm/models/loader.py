@@ -149,7 +149,7 @@ def load_model(
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
     abstract = abstract_params(module, built_spec)
     num_offloaded = offloaded_layer_count(abstract, offload_bytes, tp)
-    offloaded = lambda path: _layer_index(path) < num_offloaded
+    offloaded = lambda path: _layer_index(path) in range(num_offloaded)
     if converted:
         flat = orbax_checkpoint.restore(model_dir, dict(_flatten(abstract)), spec, mesh)
         for path in flat:
@@ -162,11 +162,11 @@ def load_model(
     return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded)
 
 
-def _layer_index(path: tuple[str, ...]) -> float:
-    """i for a parameter of decoder layer i (`model.layers_i...`), else infinity."""
+def _layer_index(path: tuple[str, ...]) -> int | None:
+    """i for a parameter of decoder layer i (`model.layers_i...`), else None."""
     if len(path) > 1 and path[0] == "model" and path[1].startswith("layers_"):
         return int(path[1].removeprefix("layers_"))
-    return float("inf")
+    return None
 
 
 def offloaded_layer_count(abstract: Params, budget_bytes: int, tp: int) -> int:
@@ -175,9 +175,9 @@ def offloaded_layer_count(abstract: Params, budget_bytes: int, tp: int) -> int:
     per_layer: dict[int, float] = {}
     for path, leaf in _flatten(abstract):
         index = _layer_index(path)
-        if index != float("inf"):
+        if index is not None:
             nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize / tp
-            per_layer[int(index)] = per_layer.get(int(index), 0.0) + nbytes
+            per_layer[index] = per_layer.get(index, 0.0) + nbytes
     count, used = 0, 0.0
     for index in sorted(per_layer):
         if used + per_layer[index] > budget_bytes:

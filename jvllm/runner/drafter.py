@@ -109,7 +109,7 @@ class Drafter:
         return draft_steps(self.k, self.block_size, rows, caches, step, score, None, False)
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """An EAGLE-1 head over the target's hidden states (see the module docstring)."""
 
     def __init__(
@@ -119,10 +119,8 @@ class EagleDrafter:
         num_speculative_tokens: int,
         block_size: int,
     ) -> None:
-        self.model = head
+        super().__init__(head, num_speculative_tokens, block_size)
         self.target = target
-        self.k = num_speculative_tokens
-        self.block_size = block_size
 
     def _embed(self, target_params: Any, token_ids: jax.Array) -> jax.Array:
         module = self.target.module

@@ -126,7 +126,7 @@ class ModelRunner:
         `draft`: speculative decoding's draft model or EAGLE head, whose KV layers
         follow the target's in `caches` (same blocks)."""
         self.model = loaded
-        self.drafter: Drafter | EagleDrafter | None = None
+        self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
         if draft is not None and isinstance(draft.module, EagleHead):
             self.drafter = EagleDrafter(draft, loaded, k, block_size)
