@@ -12,7 +12,7 @@ import json as jsonlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -248,10 +248,11 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@dataclass(frozen=True)
-class SamplingRow:
+class SamplingRow(NamedTuple):
     """One batch row as the sampler sees it: the request's parameters, its resolved
-    seed, how many tokens it has generated so far, and its token history."""
+    seed, how many tokens it has generated so far, and its token history. A NamedTuple:
+    the engine builds one per row and step, and a tuple is built several times faster
+    than a frozen dataclass."""
 
     params: SamplingParams
     seed: int  # resolved per sequence by the engine, in [0, 2**32)

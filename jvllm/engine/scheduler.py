@@ -38,9 +38,8 @@ from jvllm.engine.request import Request, RequestStatus
 PLACEHOLDER_TOKEN = 0
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (a NamedTuple: one is built per row and step)."""
 
     request_id: str
     token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]

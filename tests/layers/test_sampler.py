@@ -150,7 +150,7 @@ def test_a_pending_output_token_is_penalised_like_a_known_one() -> None:
         _row(prompt=[7], output=[7, 8], presence_penalty=0.9),
     ]
     pending = [
-        dataclasses.replace(row, output_token_ids=row.output_token_ids[:-1], pending_output=True)
+        row._replace(output_token_ids=row.output_token_ids[:-1], pending_output=True)
         for row in known
     ]
     width = penalty_width_needed(known)
@@ -229,6 +229,49 @@ def test_filter_keeps_exactly_the_numpy_allowed_set(params: dict) -> None:
     for i in range(4):
         want = np_distribution(logits[i], **params) > 0
         np.testing.assert_array_equal(np.isfinite(got[i]), want, err_msg=f"row {i}")
+
+
+def np_kept_by_sort(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens top_k then top_p keep, from a full sort (float64): the first top_k
+    sorted positions form the set, top_p keeps its shortest prefix whose mass before the
+    last token is short of top_p, and every token tied with the last one kept stays."""
+    order = np.sort(scaled.astype(np.float64))[::-1]
+    k = len(order) if top_k <= 0 else min(top_k, len(order))
+    weights = np.exp(order[:k] - order[0])
+    mass_before = np.cumsum(weights) - weights
+    num_keep = k if top_p >= 1.0 else int(np.sum(mass_before < top_p * weights.sum()))
+    return scaled >= order[num_keep - 1]
+
+
+def test_filter_past_the_top_candidates_matches_a_full_sort() -> None:
+    """Rows whose top_k exceeds the candidates lax.top_k reads, or whose top_p nucleus
+    reaches past them (a flat distribution), take the bisection path; ties at the
+    threshold (logits rounded to a coarse grid) and -inf logits (min_p) included."""
+    vocab, rng = 400, np.random.default_rng(11)
+    cases = [
+        dict(top_k=100),
+        dict(top_k=399),
+        dict(top_k=300, top_p=0.5),
+        dict(top_p=0.9),
+        dict(top_p=0.3),
+        dict(top_k=50, top_p=0.99),
+        dict(top_k=70, top_p=0.9, min_p=0.2),
+        dict(top_p=0.95, min_p=0.05),
+    ]
+    for scale, grid in [(0.05, 0.0), (1.0, 0.0), (4.0, 0.0), (1.0, 0.25)]:
+        logits = (rng.standard_normal((len(cases), vocab)) * scale).astype(np.float32)
+        if grid:
+            logits = np.round(logits / grid) * grid  # many exact ties
+        rows = [_row(**params) for params in cases]
+        got = np.asarray(filter_jit(logits, make_sampling_metadata(rows, len(rows), 0)))
+        for i, params in enumerate(cases):
+            scaled = logits[i].astype(np.float64)
+            min_p = params.get("min_p", 0.0)
+            scaled = np.where(np.exp(scaled - scaled.max()) < min_p, -np.inf, scaled)
+            want = np_kept_by_sort(scaled, params.get("top_k", -1), params.get("top_p", 1.0))
+            np.testing.assert_array_equal(
+                np.isfinite(got[i]), want, err_msg=f"scale {scale} grid {grid} {params}"
+            )
 
 
 @pytest.mark.parametrize("params", FILTER_CASES, ids=str)
