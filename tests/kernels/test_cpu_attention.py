@@ -1,7 +1,8 @@
 """The C++ paged-attention kernel for XLA:CPU against the jax.numpy reference.
 
-Every case mixes decode rows (one new token) with prefill rows (several, attending to
-a cached prefix and causally among themselves) and padding, and draws random inputs.
+Every case mixes decode rows (one new token; every head of a row in one pass over its
+keys) with prefill rows (several, attending to a cached prefix and causally among
+themselves) and padding, and draws random inputs.
 Every cache slot no sequence owns holds NaN, so a read outside a block table or past
 a query's position shows up in the kernel's output; the comparison with the reference
 runs on the same cache with those slots zeroed (the engine's cache is zeroed, and the
@@ -50,6 +51,8 @@ CASES = [
     Case((33, 100), (150, 100), num_heads=16, num_kv_heads=1),  # wide group: short tiles
     Case((1, 1, 2, 1), (77, 300, 20, 5), dtype="bfloat16"),
     Case((1,) * 64, tuple(range(20, 660, 10)), pad_seqs=0),  # enough keys for two threads
+    # More query heads than one decode item holds (32): decode by per-KV-head tiles.
+    Case((1, 1, 2), (70, 200, 33), num_heads=40, num_kv_heads=8, head_dim=32),
 ]
 
 
