@@ -12,8 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 # Prompt tokens kept as decoding context.
 _CONTEXT_TOKENS = 5
+
+
+def _stream_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a fast tokenizer that cleans up no spaces (whose decode
+    is the backend's), or None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return backend
+    return None
 
 
 def decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
@@ -21,8 +32,8 @@ def decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     tokenizer that cleans up no spaces, Transformers' decode is its Rust backend's plus
     Python argument handling that costs several times the decode itself (two calls per
     token and sequence each step), so the backend is called directly."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+    backend = _stream_backend(tokenizer)
+    if backend is not None:
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
@@ -36,20 +47,37 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool,
     ) -> None:
-        self._decode_ids = decoder(tokenizer)
-        self._skip_special = skip_special_tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
-        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.output_text = ""
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._backend = _stream_backend(tokenizer)
+        if self._backend is not None:
+            # The tokenizers library's own incremental decoder: one call per token (the
+            # same prefix/read-offset rule as below, in Rust); the context's text is
+            # not output.
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            if context:
+                self._stream.step(self._backend, context)
+            return
+        self._decode_ids = decoder(tokenizer)
+        self._skip_special = skip_special_tokens
+        self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.output_text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, self._skip_special)
 
     def append(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string it completed, if any."""
+        if self._backend is not None:
+            delta = self._stream.step(self._backend, token_id)
+            if delta is None:
+                return None  # nothing printable yet (or a partial UTF-8 sequence)
+            before = len(self.output_text)
+            self.output_text += delta
+            return self._check_stop(before) if self._stop else None
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])

@@ -219,8 +219,12 @@ class Scheduler:
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
                 request.output_token_ids.append(sampled[row.request_id])
-            if request.status is RequestStatus.RUNNING:
-                kv.cache_full_blocks(request)  # blocks completed by a now-known token
+            # Blocks completed by a now-known token: one token completes a block only at
+            # a block boundary.
+            if request.status is RequestStatus.RUNNING and (
+                row.num_spec_tokens or request.num_tokens % self.block_size == 0
+            ):
+                kv.cache_full_blocks(request)
 
     def replace_beams(
         self, parents: list[Request], children: list[tuple[Request, Request]]
@@ -298,12 +302,16 @@ class Scheduler:
             if request.beam_group is None:  # the common case: a unit of one, no lists
                 # Its sampled tokens may end it by length: it finishes when the last
                 # placeholder is committed.
-                if not self._reaches_length_limit(request):
+                if not (request.num_output_placeholders and self._reaches_length_limit(request)):
                     num_new = min(
                         request.num_tokens_with_placeholders - request.num_computed_tokens,
                         step.budget,
                     )
-                    drafts = self._lookahead(request, num_new, step.budget)
+                    drafts = (
+                        self._lookahead(request, num_new, step.budget)
+                        if request.spec_token_ids
+                        else []
+                    )
                     if not drafts and not self._allocate(step, request, num_new, [request]):
                         return
                     self._add_row(step, request, num_new, drafts)
@@ -552,16 +560,18 @@ class Scheduler:
         end = start + num_new
         assert end <= self.scheduler_config.max_model_len, (request, num_new)
         prev_step_row = None
-        if end > request.num_tokens:
+        num_tokens = request.num_tokens
+        if end > num_tokens:
             # The one token of this row is still on the device: the previous step sampled it.
             assert num_new == 1 and request.num_output_placeholders == 1, request
             token_ids = [PLACEHOLDER_TOKEN]
             prev_step_row = self._sampling_rows[request.request_id]
         else:
             token_ids = request.get_token_ids(start, end)
-        samples = end == request.num_tokens_with_placeholders
+        samples = end == num_tokens + request.num_output_placeholders
         num_spec = len(drafts) if drafts else 0
-        request.spec_token_ids = []  # proposed for this row only
+        if request.spec_token_ids:
+            request.spec_token_ids = []  # proposed for this row only
         if num_spec:
             token_ids = token_ids + drafts
         step.rows.append(

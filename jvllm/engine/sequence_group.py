@@ -195,7 +195,11 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.children)
+        # A loop, not all() over a generator: asked twice per sequence and step.
+        for child in self.children:
+            if child.finished_status is None:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
         first = self.children[0]

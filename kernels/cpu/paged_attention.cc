@@ -16,6 +16,7 @@
 // starting them.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -278,8 +279,11 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
       pairs += n * (pos0 + i + n) * sh.num_kv_heads;
     }
   }
-  auto run = [&](size_t begin, size_t step) {
-    for (size_t k = begin; k < items.size(); k += step) {
+  // Threads take the next item as they finish one, so a thread that the OS holds back
+  // (another process on its core) delays the step by an item, not by half the work.
+  std::atomic<size_t> next_item{0};
+  auto run = [&]() {
+    for (size_t k; (k = next_item.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
       const Item& it = items[k];
       const int32_t* table = tables + it.seq * sh.width;
       if (it.kv_head < 0) {
@@ -304,8 +308,8 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
   }();
   const int64_t num_threads = std::clamp<int64_t>(pairs / kPairsPerThread, 1, max_threads);
   std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(run, t, num_threads);
-  run(0, num_threads);
+  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(run);
+  run();
   for (auto& t : helpers) t.join();
 }
 
