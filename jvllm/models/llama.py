@@ -21,11 +21,12 @@ from jax.sharding import PartitionSpec as P
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
 from jvllm.models.quantization import (
+    BlockFloatWeights,
     FloatWeights,
     PackedWeights,
+    dequantized_weight,
     fake_quantize_tokens,
     storage_dtype,
-    unpack,
 )
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import AXIS, CACHE, HEADS
@@ -35,20 +36,22 @@ _init = nn.initializers.normal(0.02)
 
 class Linear(nn.Module):
     """y = x @ W.T (+ b) with W stored `[out, in]` as in the checkpoint; with
-    `quantization`, W is int8 or float8 with float32 `weight_scale` per output channel."""
+    `quantization`, W is int8 or float8 with float32 `weight_scale` per output channel,
+    or a packed or block-scaled checkpoint's form, dequantized in the step."""
 
     features: int
     use_bias: bool
     dtype: jnp.dtype
-    quantization: str | PackedWeights | FloatWeights | None = None
+    quantization: str | PackedWeights | FloatWeights | BlockFloatWeights | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (self.features, x.shape[-1])
         if self.quantization is None:
             y = jnp.einsum("...i,oi->...o", x, self.param("weight", _init, shape, self.dtype))
-        elif isinstance(self.quantization, PackedWeights):
-            y = jnp.einsum("...i,oi->...o", x, self._unpacked(x.shape[-1]))
+        elif isinstance(self.quantization, (PackedWeights, BlockFloatWeights)):
+            w = dequantized_weight(self, self.quantization, self.features, x.shape[-1], self.dtype)
+            y = jnp.einsum("...i,oi->...o", x, w)
         elif isinstance(self.quantization, FloatWeights):
             q = self.param("weight", nn.initializers.zeros, shape, jnp.float8_e4m3fn)
             scale = self.param("weight_scale", nn.initializers.ones, (self.features, 1), self.dtype)
@@ -62,20 +65,6 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
-
-    def _unpacked(self, in_features: int) -> jax.Array:
-        """The `[out, in]` weight of a compressed-tensors packed layer, in the model dtype."""
-        q = self.quantization
-        assert isinstance(q, PackedWeights)
-        words = (self.features, in_features * q.bits // 32)
-        packed = self.param("weight_packed", nn.initializers.zeros, words, jnp.int32)
-        groups = q.num_groups(in_features)
-        scale_shape = (self.features, groups)
-        # Scales in the model dtype, as checkpoints store them.
-        scale = self.param("weight_scale", nn.initializers.ones, scale_shape, self.dtype)
-        values = unpack(packed, q.bits, in_features).astype(self.dtype)  # [out, in]
-        grouped = values.reshape(self.features, groups, -1) * scale[:, :, None]
-        return grouped.reshape(self.features, in_features)
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,9 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
-from jvllm.models.quantization import PackedWeights, check_quantization, packed_weights, quantize
+from jvllm.models.packed_formats import check_split, checkpoint_scheme
+from jvllm.models.packed_tensors import PackedCheckpoint
+from jvllm.models.quantization import PackedWeights, check_quantization, quantize
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
@@ -128,7 +130,8 @@ def load_model(
     hf_config = read_config(model_dir)
     scheme: Any = quantization
     if "quantization_config" in hf_config:
-        scheme = _checkpoint_scheme(model_dir, hf_config["quantization_config"], quantization)
+        config = hf_config["quantization_config"]
+        scheme = checkpoint_scheme(str(model_dir), config, quantization)
     spec = dataclasses.replace(spec_from_hf_config(hf_config), quantization=scheme)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
     if converted and quantization is not None:
@@ -143,8 +146,7 @@ def load_model(
     tp = 1 if mesh is None else mesh.devices.size
     if mesh is not None:
         check_divisible(spec, tp)
-        if isinstance(scheme, PackedWeights):
-            _check_packed_split(spec, scheme, tp)
+    check_split(str(model_dir), spec, scheme, tp)
     built_spec = sharded_spec(spec, tp)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
     abstract = abstract_params(module, built_spec)
@@ -187,42 +189,6 @@ def offloaded_layer_count(abstract: Params, budget_bytes: int, tp: int) -> int:
     return count
 
 
-def _checkpoint_scheme(model_dir: Path, config: dict[str, Any], requested: str | None) -> Any:
-    method = config.get("quant_method")
-    if requested is not None:
-        raise ValueError(
-            f"{model_dir}: a {method!r} quantized checkpoint cannot be quantized again "
-            f"(quantization={requested!r}); leave quantization unset"
-        )
-    if method != "compressed-tensors":
-        raise ValueError(
-            f"{model_dir}: quant_method {method!r} is not supported; jvllm reads float "
-            "checkpoints (quantization='int8' or 'fp8' quantizes one at load) and "
-            "compressed-tensors pack-quantized ones"
-        )
-    ignored = set(config.get("ignore") or [])
-    if "lm_head" not in ignored and not any("lm_head" in i for i in ignored):
-        raise ValueError(f"{model_dir}: a quantized lm_head is not supported")
-    return packed_weights(config, str(model_dir))
-
-
-def _check_packed_split(spec: ModelSpec, scheme: PackedWeights, tp: int) -> None:
-    """Row-parallel layers split their input features: each device needs whole groups
-    and whole int32 words."""
-    for name, in_features in (
-        ("o_proj", spec.num_heads * spec.head_dim),
-        ("down_proj", spec.intermediate_size),
-    ):
-        part = in_features // tp
-        unit = max(scheme.group_size or 1, 32 // scheme.bits)
-        if part % unit:
-            raise ValueError(
-                f"tensor_parallel_size={tp} splits {name}'s {in_features} input features into "
-                f"{part}, not a multiple of the group size {scheme.group_size} (and of "
-                f"{32 // scheme.bits} values per int32 word)"
-            )
-
-
 def read_params(
     model_dir: Path,
     abstract_tree: Params,
@@ -236,8 +202,15 @@ def read_params(
     says so of its path); a checkpoint tensor the model does not use is an error, but
     for the names in `ignored`."""
     abstract = dict(_flatten(abstract_tree))
-    index = SafetensorsIndex(model_dir)
     placer = ShardedPlacer(mesh, spec) if mesh is not None else None
+    # Each parameter's shape in the checkpoint (before any KV-head replication).
+    wanted = {
+        hf_name(p): placer.expected_shape(hf_name(p), a.shape) if placer else a.shape
+        for p, a in abstract.items()
+    }
+    index: SafetensorsIndex | PackedCheckpoint = SafetensorsIndex(model_dir)
+    if isinstance(spec.quantization, PackedWeights):
+        index = PackedCheckpoint(index, spec.quantization, wanted)
     host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
 
     def place(path: tuple[str, ...], array: np.ndarray, dtype: jnp.dtype) -> jax.Array:
@@ -251,16 +224,15 @@ def read_params(
         if path[-1] == "weight_scale" and isinstance(spec.quantization, str):
             continue  # quantized at load: made with its weight, below
         name = hf_name(path)
-        if name not in index.entries:
+        if name not in index:
             raise ValueError(
-                f"{model_dir}: checkpoint has no tensor {name!r} (shape {shaped.shape})"
+                f"{model_dir}: checkpoint has no tensor {index.describe(name, wanted[name])}"
             )
         array = index.array(name)
-        want = placer.expected_shape(name, shaped.shape) if placer else shaped.shape
-        if array.shape != want:
+        if array.shape != wanted[name]:
             raise ValueError(
-                f"{index.entries[name].file}: tensor {name!r} has shape {array.shape}, "
-                f"expected {want} from config.json"
+                f"{index.file(name)}: tensor {name!r} has shape {array.shape}, "
+                f"expected {wanted[name]} from config.json"
             )
         scale_path = (*path[:-1], "weight_scale")
         if path[-1] == "weight" and scale_path in abstract and isinstance(spec.quantization, str):

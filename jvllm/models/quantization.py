@@ -1,4 +1,4 @@
-"""Quantized weights: int8/fp8 quantization at load, and compressed-tensors checkpoints.
+"""Quantized weights: int8/fp8 quantization at load, and packed-int checkpoints.
 
 `quantization="int8"` or `"fp8"` (vLLM's argument) quantizes a float checkpoint:
 
@@ -9,12 +9,17 @@ The model's `Linear` keeps the quantized weight and its `[out]` float32 scales a
 computes `(x @ q.T) * scale` inside the jitted step. Embeddings, lm_head and norms stay
 in the model dtype.
 
-A compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
-`pack-quantized`, as llm-compressor and compressed-tensors write W4A16 / W8A16) keeps
-its `weight_packed` int32 words (4- or 8-bit values, offset by 2**(bits-1), packed
-densely along the input dimension) and `weight_scale` per group of inputs (or per
-channel); the step unpacks and scales them before the matmul. `packed_weights(config)`
-reads and checks its quantization_config.
+Packed-int checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ) share one device
+layout, compressed-tensors': `weight_packed` int32 words (4- or 8-bit values, offset by
+2**(bits-1), packed densely along the input dimension), `weight_scale` per group of
+inputs (or per channel), with zero points `weight_zero_point` (int8, signed like the
+values) and with activation order `weight_g_idx` (each input's group). `packed_weight`
+declares those parameters and dequantizes them inside the step; `packed_formats.py`
+converts the other layouts to this one on the host. `packed_weights(config)` reads and
+checks a compressed-tensors quantization_config.
+
+Block-scaled float8 checkpoints (`quant_method: "fp8"`) keep their float8 weights and
+per-tile scales as stored; `block_float_weight` multiplies them out in the step.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 QUANTIZATIONS = ("int8", "fp8")
+# compressed-tensors activation orders that pack-quantized weights may carry.
+_ACT_ORDERS = ("group", "dynamic", "weight", "static")
 # The largest magnitude each storage type holds.
 _QMAX = {"int8": 127.0, "fp8": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}
 # The linear layers that are quantized: every projection of attention and the MLP.
@@ -64,11 +72,16 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackedWeights:
-    """compressed-tensors pack-quantized linear weights: symmetric `bits`-bit integers,
-    one scale per `group_size` inputs (None: one per output channel)."""
+    """Packed `bits`-bit int linear weights: one scale per `group_size` inputs (None: one
+    per output channel); `zero_points`: asymmetric, w = (q - zero) * scale; `act_order`:
+    input i belongs to group g_idx[i] rather than i // group_size."""
 
     bits: int
     group_size: int | None
+    zero_points: bool = False
+    act_order: bool = False
+    # The checkpoint's layout, converted at load: compressed-tensors, gptq, gptq_v2, awq.
+    checkpoint_format: str = "compressed-tensors"
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else in_features // self.group_size
@@ -81,6 +94,15 @@ class FloatWeights:
     each token's input is quantized to float8 too, by its own max|x| / 448."""
 
     dynamic_activations: bool
+
+
+@dataclass(frozen=True)
+class BlockFloatWeights:
+    """`quant_method: "fp8"` checkpoints (DeepSeek-V3, Qwen3-FP8): float8 e4m3 weights
+    with one float32 scale, `weight_scale_inv` (multiplied, despite its name), per
+    `block` = (outputs, inputs) tile. Activations stay in the model dtype."""
+
+    block: tuple[int, int]
 
 
 def fake_quantize_tokens(x: jax.Array) -> jax.Array:
@@ -97,9 +119,10 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
     """The scheme of a compressed-tensors quantization_config; ValueError naming what is
     not supported (and what is)."""
     supported = (
-        "pack-quantized int weights of 4 or 8 bits, symmetric, by group or channel, with "
-        "float activations; float-quantized float8 weights per channel with float or "
-        "dynamic per-token float8 activations"
+        "pack-quantized int weights of 4 or 8 bits, symmetric or with zero points, by group "
+        "(activation order 'group', 'weight' or none) or channel, with float activations; "
+        "float-quantized float8 weights per channel with float or dynamic per-token float8 "
+        "activations"
     )
 
     def refuse(what: str) -> ValueError:
@@ -118,18 +141,28 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
             raise refuse(f"activation quantization with {group_format!r} weights")
         if group_format != "pack-quantized":
             raise refuse(f"format {group_format!r}")
-        w = group.get("weights") or {}
-        if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
-            raise refuse(f"{w.get('type')} weights of {w.get('num_bits')} bits")
-        if not w.get("symmetric", True):
-            raise refuse("asymmetric weights (zero points)")
-        if w.get("strategy") not in ("group", "channel") or w.get("actorder"):
-            raise refuse(f"strategy {w.get('strategy')!r} (actorder {w.get('actorder')!r})")
-        group_size = w.get("group_size") if w["strategy"] == "group" else None
-        schemes[name] = PackedWeights(int(w["num_bits"]), group_size)
+        schemes[name] = _int_scheme(group.get("weights") or {}, refuse)
     if len(set(schemes.values())) != 1:
         raise refuse(f"{len(set(schemes.values()))} different weight schemes")
     return next(iter(schemes.values()))
+
+
+def _int_scheme(w: dict[str, Any], refuse: Any) -> PackedWeights:
+    if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
+        raise refuse(f"{w.get('type')} weights of {w.get('num_bits')} bits")
+    strategy, actorder = w.get("strategy"), w.get("actorder")
+    # 'weight' (or 'static') order was applied while quantizing and needs no g_idx at
+    # run time; 'group' (or 'dynamic') stores each input's group in weight_g_idx.
+    if strategy not in ("group", "channel") or actorder not in (None, *_ACT_ORDERS):
+        raise refuse(f"strategy {strategy!r} (actorder {actorder!r})")
+    group_size = int(w["group_size"]) if strategy == "group" else None
+    act_order = actorder in ("group", "dynamic") and group_size is not None
+    return PackedWeights(
+        int(w["num_bits"]),
+        group_size,
+        zero_points=not w.get("symmetric", True),
+        act_order=act_order,
+    )
 
 
 def _float_scheme(group: dict[str, Any], refuse: Any) -> FloatWeights:
@@ -149,3 +182,54 @@ def unpack(packed: jax.Array, bits: int, in_features: int) -> jax.Array:
     shifts = bits * jnp.arange(per_word, dtype=jnp.int32)  # element e of a word: bits e*b..
     values = (packed[:, :, None] >> shifts) & ((1 << bits) - 1)  # [out, words, per_word]
     return values.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (bits - 1))
+
+
+def packed_weight(
+    module: nn.Module, q: PackedWeights, features: int, in_features: int, dtype: jnp.dtype
+) -> jax.Array:
+    """Declares a packed layer's parameters on `module` and returns its `[out, in]`
+    weight in `dtype`, dequantized inside the step (XLA fuses it into the matmul)."""
+    words = (features, in_features * q.bits // 32)
+    packed = module.param("weight_packed", nn.initializers.zeros, words, jnp.int32)
+    groups = q.num_groups(in_features)
+    # Scales in the model dtype, as checkpoints store them.
+    scale = module.param("weight_scale", nn.initializers.ones, (features, groups), dtype)
+    values = unpack(packed, q.bits, in_features)  # [out, in]
+    zero = None
+    if q.zero_points:
+        zero = module.param("weight_zero_point", nn.initializers.zeros, scale.shape, jnp.int8)
+    if q.act_order:
+        g_idx = module.param("weight_g_idx", nn.initializers.zeros, (in_features,), jnp.int32)
+        if zero is not None:
+            values = values - zero[:, g_idx]  # [out, in]
+        return values.astype(dtype) * scale[:, g_idx]
+    grouped = values.reshape(features, groups, -1)  # [out, groups, group_size]
+    if zero is not None:
+        grouped = grouped - zero[:, :, None]
+    return (grouped.astype(dtype) * scale[:, :, None]).reshape(features, in_features)
+
+
+def block_float_weight(
+    module: nn.Module, q: BlockFloatWeights, features: int, in_features: int, dtype: jnp.dtype
+) -> jax.Array:
+    """Declares a block-scaled float8 layer's parameters on `module` and returns its
+    `[out, in]` weight in `dtype`, each tile times its scale (edge tiles may be partial)."""
+    rows, cols = q.block
+    w = module.param("weight", nn.initializers.zeros, (features, in_features), jnp.float8_e4m3fn)
+    tiles = (-(-features // rows), -(-in_features // cols))
+    scale = module.param("weight_scale_inv", nn.initializers.ones, tiles, jnp.float32)
+    full = jnp.repeat(jnp.repeat(scale, rows, axis=0), cols, axis=1)  # [tiles * block]
+    return (w.astype(jnp.float32) * full[:features, :in_features]).astype(dtype)
+
+
+def dequantized_weight(
+    module: nn.Module,
+    q: PackedWeights | BlockFloatWeights,
+    features: int,
+    in_features: int,
+    dtype: jnp.dtype,
+) -> jax.Array:
+    """The `[out, in]` weight of a layer whose checkpoint form is dequantized in the step."""
+    if isinstance(q, BlockFloatWeights):
+        return block_float_weight(module, q, features, in_features, dtype)
+    return packed_weight(module, q, features, in_features, dtype)

@@ -51,6 +51,16 @@ class SafetensorsIndex:
     def names(self) -> set[str]:
         return set(self.entries)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def file(self, name: str) -> Path:
+        return self.entries[name].file
+
+    def describe(self, name: str, shape: tuple[int, ...]) -> str:
+        """How an error names a tensor the model needs in `shape`."""
+        return f"{name!r} (shape {shape})"
+
     def array(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of one tensor in its stored dtype."""
         e = self.entries[name]

@@ -59,4 +59,6 @@ class ShardedPlacer:
 
 
 def _is_kv_projection(name: str) -> bool:
-    return ".k_proj." in name or ".v_proj." in name
+    """A k/v projection tensor whose first axis is its outputs (a packed layer's
+    weight_g_idx runs over its inputs)."""
+    return (".k_proj." in name or ".v_proj." in name) and not name.endswith(".weight_g_idx")

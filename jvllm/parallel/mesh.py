@@ -89,9 +89,17 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
     ndim = len(shape)
     leaf = name.split(".")[-2] if ndim else ""
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    # A packed layer's weight_g_idx [in] names each input's group: it follows the inputs.
+    g_idx = name.endswith(".weight_g_idx")
     if leaf in column:
-        return P(AXIS, None) if ndim == 2 else P(AXIS)
+        return P() if g_idx else P(AXIS, None) if ndim == 2 else P(AXIS)
     if leaf in ("o_proj", "down_proj"):
+        if g_idx:
+            return P(AXIS)
+        # With activation order a device's inputs may fall in any group: each keeps
+        # every group's scale and zero point [out, groups].
+        if getattr(getattr(spec, "quantization", None), "act_order", False):
+            return P(None, AXIS) if name.endswith(".weight_packed") else P()
         # A row-parallel bias is added once; a [out, 1] scale per row (quantized
         # weights) applies whole to every input split.
         return P(None, AXIS) if ndim == 2 and shape[1] > 1 else P()

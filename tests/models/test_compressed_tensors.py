@@ -21,7 +21,8 @@ ct = pytest.importorskip("compressed_tensors")
 
 NEW_TOKENS = 16
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
-# name -> (bits, strategy, group size) of int weights, or a compressed-tensors preset.
+# name -> (bits, strategy, group size[, symmetric]) of int weights, or a compressed-tensors
+# preset.
 SCHEMES = {
     "w4a16-g32": (4, "group", 32),
     "w8a16-channel": (8, "channel", None),
@@ -49,9 +50,9 @@ def compress(src, dst, scheme_spec):
         scheme = preset_name_to_scheme(scheme_spec, ["Linear"])
         args, group_size, fmt = scheme.weights, None, None
     else:
-        bits, strategy, group_size = scheme_spec
+        bits, strategy, group_size, symmetric = (*scheme_spec, True)[:4]
         args = QuantizationArgs(
-            num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size
+            num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
         )
         scheme = QuantizationScheme(targets=["Linear"], weights=args)
         fmt = "pack-quantized"
@@ -145,7 +146,7 @@ def test_packed_weights_take_the_bytes_of_their_bits(packed, checkpoints) -> Non
 
 def test_unsupported_schemes_are_refused(packed, tmp_path) -> None:
     for change, words in [
-        ({"quant_method": "awq"}, "quant_method 'awq'"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
         ({"format": "int-quantized"}, "'int-quantized'"),
     ]:
         dst = tmp_path / words.split()[-1].strip("'")

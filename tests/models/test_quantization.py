@@ -120,10 +120,10 @@ def test_bad_quantization_is_refused(checkpoints, tmp_path) -> None:
     with pytest.raises(ValueError, match="int8, fp8"):
         load_model(checkpoints["llama"], quantization="int4")
     src = checkpoints["llama"]
-    dst = tmp_path / "gptq"
+    dst = tmp_path / "bnb"
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         load_model(dst)
