@@ -106,7 +106,7 @@ def time_components(setup: Setup) -> dict[str, list[float]]:
         t2 = time.perf_counter()
         srows = [SamplingRow(_GREEDY, i, step, (), ()) for i in range(len(rows))]
         t3 = time.perf_counter()
-        make_sampling_metadata(srows, shape.num_seqs, 0)
+        make_sampling_metadata(srows, shape.num_seqs)
         t4 = time.perf_counter()
         sampled = {
             r.request_id: setup.sampled[(step + i) % len(setup.sampled)]
@@ -146,7 +146,7 @@ class NoDeviceRunner:
         pack_rows(rows, shape, self.setup.args.block_size)
         if callable(sampling_rows):  # a LateSampling: the engine's rows and bitmask
             sampling_rows, _ = sampling_rows()
-        make_sampling_metadata(sampling_rows, shape.num_seqs, 0)
+        make_sampling_metadata(sampling_rows, shape.num_seqs)
         n, start = len(rows), (self.calls * 7919) % (len(self.setup.sampled) - len(rows))
         self.calls += 1
         tokens = np.array(self.setup.sampled[start : start + n], np.int32)

@@ -294,6 +294,11 @@ def test_no_compilations_after_warm_up(checkpoints):
             # min_tokens bans EOS and these ids until reached: up to 4 ids in all.
             min_tokens=int(rng.choice([0, 0, 3])),
             stop_token_ids=[int(t) for t in rng.integers(10, 100, int(rng.integers(0, 4)))],
+            # Penalties over histories of every length (the prompts run 1-200 tokens).
+            repetition_penalty=float(rng.choice([1.0, 1.0, 1.2])),
+            frequency_penalty=float(rng.choice([0.0, 0.5])),
+            presence_penalty=float(rng.choice([0.0, -0.3])),
+            prompt_logprobs=1 if rng.random() < 0.1 else None,
         )
         for _ in lengths
     ]

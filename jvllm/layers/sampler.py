@@ -11,9 +11,12 @@ P (the runner), moving the arrays to the device (the runner), or slicing the top
 logprobs down to what each request asked for (the engine).
 
 Every sampling knob is an array, never a static argument: new temperatures or seeds
-reuse the compiled program; only the shapes S, V, P and F select one. Logit biases and
+reuse the compiled program; only the shapes S, V, E and F select one. Logit biases and
 bans of the whole batch share one flat list of F (row, token, value) entries, at least
-MIN_BIAS_ENTRIES long, so biases of any value, on any rows, reuse one program.
+MIN_BIAS_ENTRIES long, and the penalty histories of the whole batch one flat list of E
+(row, token, is-output) entries, at least MIN_PENALTY_ENTRIES long: biases and
+penalties of any value, on any rows, with histories of any length up to those sizes in
+all, reuse the program warm-up compiled.
 
 Speculative decoding with a draft distribution (`rejection_sample`): a row whose
 position holds a draft token d drawn from q accepts d with probability
@@ -43,6 +46,9 @@ _U32_MAX = 2**32 - 1
 # The flat bias list is this long or a larger power of two: every step of a batch
 # whose rows bias or ban up to this many tokens in all runs the warmed-up program.
 MIN_BIAS_ENTRIES = 1024
+# Likewise for the penalty histories (prompt ids once each, output ids once per
+# occurrence) of every penalised row of a step.
+MIN_PENALTY_ENTRIES = 8192
 # Logits per row that top_k/top_p read through `lax.top_k` before falling back to a
 # bisection over the whole vocabulary.
 TOP_CANDIDATES = 64
@@ -62,15 +68,18 @@ class SamplingMetadata:
     repetition_penalty: Array  # f32[S]; 1.0 = off
     seeds: Array  # u32[S]
     step_index: Array  # i32[S]; tokens the row's request has generated so far
-    penalty_token_ids: Array  # i32[S, P]; prompt and output ids, -1 = padding
-    penalty_is_output: Array  # bool[S, P]; True where the id is an output token
+    # Flat [E] list of penalty history entries: row, token (-1 = padding), and whether
+    # the token is an output (frequency and presence count outputs only).
+    penalty_rows: Array  # i32[E]
+    penalty_token_ids: Array  # i32[E]
+    penalty_is_output: Array  # bool[E]
     # Flat [F] list of additive logit biases (-inf bans): row, token (-1 = padding), value.
     bias_rows: Array  # i32[F]
     bias_token_ids: Array  # i32[F]
     bias_values: Array  # f32[F]
     want_logprobs: Array  # bool[S]; the row's request asked for logprobs
     # bool[S]; the row's last input token is an output the host has not seen yet (it is
-    # still on the device): penalties count it on top of penalty_token_ids.
+    # still on the device): penalties count it on top of the history entries.
     pending_output: Array
     # i32[S]; a draft model's token for this position and its row of the draft
     # probabilities passed to sample() (-1 = none).
@@ -144,18 +153,17 @@ def sample(
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata, last_input: jax.Array) -> jax.Array:
     """Repetition (prompt + output), then frequency and presence (output only)."""
-    if md.penalty_token_ids.shape[-1] == 0:  # static: no row in this bucket has penalties
-        return logits
     active = jnp.any(
         (md.repetition_penalty != 1.0)
         | (md.frequency_penalty != 0.0)
         | (md.presence_penalty != 0.0)
     )
-    # The output token still on the device joins the history as one more entry.
-    pending = jnp.where(md.pending_output, last_input, -1)[:, None]  # [S, 1]
-    ids = jnp.concatenate([md.penalty_token_ids, pending], axis=1)  # [S, P + 1]
-    is_output = jnp.concatenate([md.penalty_is_output, md.pending_output[:, None]], axis=1)
-    return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, ids, is_output)
+    # The output token still on the device joins its row's history as one more entry.
+    rows = jnp.concatenate([md.penalty_rows, jnp.arange(logits.shape[0], dtype=jnp.int32)])
+    pending = jnp.where(md.pending_output, last_input, -1)  # [S]
+    ids = jnp.concatenate([md.penalty_token_ids, pending])  # [E + S]
+    is_output = jnp.concatenate([md.penalty_is_output, md.pending_output])
+    return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, rows, ids, is_output)
 
 
 def _bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -177,15 +185,18 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def _penalise(
-    logits: jax.Array, md: SamplingMetadata, token_ids: jax.Array, is_output: jax.Array
+    logits: jax.Array,
+    md: SamplingMetadata,
+    rows: jax.Array,
+    token_ids: jax.Array,
+    is_output: jax.Array,
 ) -> jax.Array:
-    """token_ids `[S, P]`: each row's history, -1 = padding; is_output marks outputs."""
-    num_rows, vocab = logits.shape
-    valid = token_ids >= 0  # [S, P]
+    """rows, token_ids, is_output `[N]`: the batch's history entries, token -1 = padding."""
+    vocab = logits.shape[-1]
+    valid = token_ids >= 0  # [N]
     # Padding goes to index V, which mode="drop" discards (-1 would wrap to V - 1).
-    ids = jnp.where(valid, token_ids, vocab)  # [S, P]
-    rows = jnp.arange(num_rows)[:, None]  # [S, 1]
-    counted = (valid & is_output).astype(jnp.float32)  # [S, P]
+    ids = jnp.where(valid, token_ids, vocab)  # [N]
+    counted = (valid & is_output).astype(jnp.float32)  # [N]
     output_counts = jnp.zeros_like(logits).at[rows, ids].add(counted, mode="drop")  # [S, V]
     seen = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")  # [S, V]
     rep = md.repetition_penalty[:, None]  # [S, 1]
@@ -380,12 +391,9 @@ def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
     return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
 
 
-def penalty_width_needed(rows: Sequence[SamplingRow]) -> int:
-    """The P that `make_sampling_metadata` needs for these rows; 0 when none penalises."""
-    return max(
-        (len(_penalty_entries(row)[0]) for row in rows if row.params.uses_penalties),
-        default=0,
-    )
+def penalty_entries_needed(rows: Sequence[SamplingRow]) -> int:
+    """The history entries `make_sampling_metadata` lists for these rows' penalties."""
+    return sum(len(_penalty_entries(row)[0]) for row in rows if row.params.uses_penalties)
 
 
 def _penalty_entries(row: SamplingRow) -> tuple[list[int], list[bool]]:
@@ -402,19 +410,20 @@ def bias_entries_needed(rows: Sequence[SamplingRow]) -> int:
     return sum(len(r.banned_token_ids) + len(r.params.logit_bias or ()) for r in rows)
 
 
-def make_sampling_metadata(
-    rows: Sequence[SamplingRow], num_rows: int, penalty_width: int
-) -> SamplingMetadata:
+def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> SamplingMetadata:
     """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised.
 
-    The bias list is MIN_BIAS_ENTRIES long, or the next power of two that holds them all."""
+    The bias list is MIN_BIAS_ENTRIES long and the penalty list MIN_PENALTY_ENTRIES, or
+    each the next power of two that holds its entries."""
     if len(rows) > num_rows:
         raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
-    if penalty_width < 0:
-        raise ValueError(f"penalty_width must be >= 0, got {penalty_width}")
     biased = [i for i, r in enumerate(rows) if r.banned_token_ids or r.params.logit_bias]
     needed = bias_entries_needed([rows[i] for i in biased])
     num_bias = max(MIN_BIAS_ENTRIES, 1 << max(needed - 1, 0).bit_length())
+    penalised = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    histories = [_penalty_entries(rows[i]) for i in penalised]
+    num_history = sum(len(ids) for ids, _ in histories)
+    num_penalty = max(MIN_PENALTY_ENTRIES, 1 << max(num_history - 1, 0).bit_length())
     md = SamplingMetadata(
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
@@ -425,8 +434,9 @@ def make_sampling_metadata(
         repetition_penalty=np.ones(num_rows, np.float32),
         seeds=np.zeros(num_rows, np.uint32),
         step_index=np.zeros(num_rows, np.int32),
-        penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
-        penalty_is_output=np.zeros((num_rows, penalty_width), bool),
+        penalty_rows=np.zeros(num_penalty, np.int32),
+        penalty_token_ids=np.full(num_penalty, -1, np.int32),
+        penalty_is_output=np.zeros(num_penalty, bool),
         bias_rows=np.zeros(num_bias, np.int32),
         bias_token_ids=np.full(num_bias, -1, np.int32),
         bias_values=np.zeros(num_bias, np.float32),
@@ -437,9 +447,7 @@ def make_sampling_metadata(
     )
     _fill_scalars(md, rows)
     _fill_biases(md, rows, biased)
-    for i, row in enumerate(rows):
-        if row.params.uses_penalties:
-            _fill_penalty_history(md, i, row)
+    _fill_penalty_histories(md, penalised, histories)
     return md
 
 
@@ -485,16 +493,15 @@ def _fill_biases(md: SamplingMetadata, rows: Sequence[SamplingRow], biased: list
         at = end
 
 
-def _fill_penalty_history(md: SamplingMetadata, i: int, row: SamplingRow) -> None:
-    """Row i's penalty history into md's (still private) numpy buffers."""
-    ids, is_output = _penalty_entries(row)
-    width = md.penalty_token_ids.shape[1]
-    if len(ids) > width:
-        raise ValueError(
-            f"row {i} needs penalty_width >= {len(ids)}, got {width}; "
-            "size it with penalty_width_needed(rows)"
-        )
-    if any(t < 0 for t in ids):
-        raise ValueError(f"row {i}: token ids must be >= 0 (-1 is padding)")
-    md.penalty_token_ids[i, : len(ids)] = ids
-    md.penalty_is_output[i, : len(ids)] = is_output
+def _fill_penalty_histories(
+    md: SamplingMetadata, penalised: list[int], histories: list[tuple[list[int], list[bool]]]
+) -> None:
+    """The penalised rows' histories, one after another, into md's flat penalty list."""
+    at = 0
+    for i, (ids, is_output) in zip(penalised, histories, strict=True):
+        if any(t < 0 for t in ids):
+            raise ValueError(f"row {i}: token ids must be >= 0 (-1 is padding)")
+        md.penalty_rows[at : at + len(ids)] = i
+        md.penalty_token_ids[at : at + len(ids)] = ids
+        md.penalty_is_output[at : at + len(ids)] = is_output
+        at += len(ids)

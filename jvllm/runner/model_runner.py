@@ -54,7 +54,6 @@ from jvllm.runner.input_batch import (
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
-MIN_PENALTY_BUCKET = 64
 # Block counts one swap copy program handles (padded up; larger swaps are chunked).
 SWAP_BUCKETS = (8, 32, 128)
 
@@ -144,7 +143,6 @@ class ModelRunner:
         self.token_buckets = token_buckets(
             scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
         )
-        self.penalty_buckets = pow2_buckets(MIN_PENALTY_BUCKET, max(max_model_len, 64))
         self.num_lookahead_tokens = num_lookahead_tokens
         # The largest logits-row bucket.
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
@@ -457,9 +455,7 @@ class ModelRunner:
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
         assert len(sampling_rows) == len(rows) + sum(r.num_spec_tokens for r in rows)
-        needed = sampler.penalty_width_needed(sampling_rows)
-        width = pick_bucket(needed, self.penalty_buckets) if needed else 0
-        md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows, width)
+        md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows)
         if token_bitmask is not None:
             padded = np.full((shape.logits_rows, token_bitmask.shape[1]), -1, np.int32)
             padded[: len(token_bitmask)] = token_bitmask
@@ -541,7 +537,7 @@ class ModelRunner:
         for t in self.token_buckets:
             # No real rows: every token is padding and writes into the null block.
             logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
-            md = sampler.make_sampling_metadata([greedy], shape.logits_rows, 0)
+            md = sampler.make_sampling_metadata([greedy], shape.logits_rows)
             sampled = self._sample_fn(logits, self._put(md), last_input, self.draft_probs)
             jax.block_until_ready(sampled)
             mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))

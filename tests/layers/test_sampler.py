@@ -13,6 +13,7 @@ import torch
 
 from jvllm.layers.sampler import (
     MIN_BIAS_ENTRIES,
+    MIN_PENALTY_ENTRIES,
     SamplerOutput,
     SamplingMetadata,
     SamplingRow,
@@ -20,7 +21,7 @@ from jvllm.layers.sampler import (
     apply_token_bitmask,
     filter_logits,
     make_sampling_metadata,
-    penalty_width_needed,
+    penalty_entries_needed,
     sample,
 )
 from jvllm.sampling_params import NUM_TOP_CANDIDATES, SamplingParams
@@ -124,7 +125,7 @@ def test_penalties_match_numpy() -> None:
         _row(prompt=[1, 2], output=[3]),  # no penalties: untouched
         _row(prompt=[13, 14], output=[], repetition_penalty=2.0),  # prompt only
     ]
-    md = make_sampling_metadata(rows, num_rows=8, penalty_width=penalty_width_needed(rows))
+    md = make_sampling_metadata(rows, num_rows=8)
     logits = _logits(8, vocab, seed=1)
     got = np.asarray(penalties_jit(logits, md, np.zeros(8, np.int32)))
     for i, row in enumerate(rows):
@@ -153,11 +154,10 @@ def test_a_pending_output_token_is_penalised_like_a_known_one() -> None:
         row._replace(output_token_ids=row.output_token_ids[:-1], pending_output=True)
         for row in known
     ]
-    width = penalty_width_needed(known)
     logits = _logits(8, 16, seed=2)
-    want = penalties_jit(logits, make_sampling_metadata(known, 8, width), np.zeros(8, np.int32))
+    want = penalties_jit(logits, make_sampling_metadata(known, 8), np.zeros(8, np.int32))
     last_input = np.array([5, 8, 0, 0, 0, 0, 0, 0], np.int32)
-    got = penalties_jit(logits, make_sampling_metadata(pending, 8, width), last_input)
+    got = penalties_jit(logits, make_sampling_metadata(pending, 8), last_input)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 
@@ -167,15 +167,15 @@ def test_greedy_with_penalties_takes_argmax_of_penalised_logits() -> None:
     logits[:, 3] = 5.0
     logits[:, 4] = 4.0
     rows = [_row(temperature=0, output=[3], presence_penalty=2.0), _row(temperature=0, output=[3])]
-    md = make_sampling_metadata(rows, 2, penalty_width_needed(rows))
+    md = make_sampling_metadata(rows, 2)
     assert np.asarray(sample_jit(logits, md).token_ids).tolist() == [4, 3]
 
 
-def test_penalty_width_zero_skips_penalties() -> None:
+def test_rows_without_penalties_leave_logits_untouched() -> None:
     rows = [_row(temperature=0), _row(seed=3, temperature=1.0)]
-    assert penalty_width_needed(rows) == 0
-    md = make_sampling_metadata(rows, 2, 0)
-    assert md.penalty_token_ids.shape == (2, 0)
+    assert penalty_entries_needed(rows) == 0
+    md = make_sampling_metadata(rows, 2)
+    assert md.penalty_token_ids.tolist() == [-1] * MIN_PENALTY_ENTRIES
     logits = _logits(2, 32)
     got = penalties_jit(logits, md, np.zeros(2, np.int32))
     np.testing.assert_array_equal(np.asarray(got), logits)
@@ -188,7 +188,7 @@ def test_penalty_width_zero_skips_penalties() -> None:
 def test_greedy_is_argmax_and_padding_rows_are_greedy() -> None:
     logits = _logits(6, 100, seed=2)
     rows = [_row(temperature=0.0), _row(temperature=1e-6, top_k=3, top_p=0.2)]
-    md = make_sampling_metadata(rows, 6, 0)
+    md = make_sampling_metadata(rows, 6)
     np.testing.assert_array_equal(np.asarray(sample_jit(logits, md).token_ids), logits.argmax(-1))
 
 
@@ -208,7 +208,7 @@ def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
         )
         for i in range(5)
     ]
-    out = sample_jit(logits, make_sampling_metadata(rows, 5, penalty_width_needed(rows)))
+    out = sample_jit(logits, make_sampling_metadata(rows, 5))
     ref = torch.log_softmax(torch.from_numpy(logits), dim=-1)
     ids = torch.from_numpy(np.array(out.token_ids)).long()
     np.testing.assert_allclose(out.logprobs, ref.gather(1, ids[:, None])[:, 0], atol=1e-5)
@@ -224,7 +224,7 @@ def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
 @pytest.mark.parametrize("params", FILTER_CASES, ids=str)
 def test_filter_keeps_exactly_the_numpy_allowed_set(params: dict) -> None:
     logits = _logits(4, 50, seed=4)
-    md = make_sampling_metadata([_row(**params)] * 4, 4, 0)
+    md = make_sampling_metadata([_row(**params)] * 4, 4)
     got = np.asarray(filter_jit(logits, md))
     for i in range(4):
         want = np_distribution(logits[i], **params) > 0
@@ -263,7 +263,7 @@ def test_filter_past_the_top_candidates_matches_a_full_sort() -> None:
         if grid:
             logits = np.round(logits / grid) * grid  # many exact ties
         rows = [_row(**params) for params in cases]
-        got = np.asarray(filter_jit(logits, make_sampling_metadata(rows, len(rows), 0)))
+        got = np.asarray(filter_jit(logits, make_sampling_metadata(rows, len(rows))))
         for i, params in enumerate(cases):
             scaled = logits[i].astype(np.float64)
             min_p = params.get("min_p", 0.0)
@@ -279,7 +279,7 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
     num, vocab = 4000, 12
     logits = np.tile(_logits(1, vocab, seed=5, scale=1.5), (num, 1))
     rows = [_row(seed=s, step=s % 7, **params) for s in range(num)]
-    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num)).token_ids)
     want = np_distribution(logits[0], **params)
     assert np.all(want[tokens] > 0), "sampled a token outside the allowed set"
     freq = np.bincount(tokens, minlength=vocab) / num
@@ -292,7 +292,7 @@ def test_one_seed_across_steps_matches_distribution() -> None:
     num, vocab = 4000, 10
     logits = np.tile(_logits(1, vocab, seed=6), (num, 1))
     rows = [_row(seed=123, step=s, temperature=0.9) for s in range(num)]
-    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num)).token_ids)
     want = np_distribution(logits[0], temperature=0.9)
     freq = np.bincount(tokens, minlength=vocab) / num
     assert np.all(np.abs(freq - want) <= 5 * np.sqrt(want * (1 - want) / num) + 2 / num)
@@ -302,7 +302,7 @@ def test_sampled_tokens_stay_in_allowed_set_in_a_mixed_batch() -> None:
     vocab, num = 30, 64
     logits = _logits(num, vocab, seed=7)
     rows = [_row(seed=1000 + i, **FILTER_CASES[i % len(FILTER_CASES)]) for i in range(num)]
-    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+    tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num)).token_ids)
     for i, token in enumerate(tokens):
         assert np_distribution(logits[i], **FILTER_CASES[i % len(FILTER_CASES)])[token] > 0
 
@@ -326,7 +326,7 @@ def test_row_token_ignores_other_rows_and_padding() -> None:
             rows += [_row(seed=o, step=o, prompt=[1], **other_params) for o in range(others)]
             logits = _logits(num_rows, vocab, seed=num_rows)
             logits[0] = target
-            md = make_sampling_metadata(rows, num_rows, penalty_width_needed(rows))
+            md = make_sampling_metadata(rows, num_rows)
             tokens.add(int(sample_jit(logits, md).token_ids[0]))
         assert len(tokens) == 1, (params, tokens)
 
@@ -336,7 +336,7 @@ def test_step_index_and_seed_select_different_streams() -> None:
     logits = np.zeros((num, vocab), np.float32)  # uniform: every draw is pure noise
 
     def draw(rows: list[SamplingRow]) -> np.ndarray:
-        return np.asarray(sample_jit(logits, make_sampling_metadata(rows, num, 0)).token_ids)
+        return np.asarray(sample_jit(logits, make_sampling_metadata(rows, num)).token_ids)
 
     by_step = draw([_row(seed=5, step=s) for s in range(num)])
     assert len(set(by_step.tolist())) > num * 0.9
@@ -369,7 +369,7 @@ def test_new_parameter_values_do_not_recompile() -> None:
         [_row(seed=3, temperature=1.9, frequency_penalty=-2.0, output=[5, 6, 7])],
     ]
     for rows in batches:
-        fn(logits, make_sampling_metadata(rows, 4, penalty_width=3)).token_ids.block_until_ready()
+        fn(logits, make_sampling_metadata(rows, 4)).token_ids.block_until_ready()
     assert len(traces) == 1
     assert fn._cache_size() == 1
 
@@ -382,37 +382,58 @@ def test_make_sampling_metadata_packs_and_pads() -> None:
         _row(seed=7, step=3, temperature=0.5, top_k=-1, top_p=0.9, min_p=0.1),
         _row(seed=8, prompt=[4, 4, 5, 6], output=[6, 9, 9], frequency_penalty=0.5),
     ]
-    assert penalty_width_needed(rows) == 5  # prompt deduplicated, minus ids in the output
-    md = make_sampling_metadata(rows, num_rows=4, penalty_width=6)
+    assert penalty_entries_needed(rows) == 5  # prompt deduplicated, minus ids in the output
+    md = make_sampling_metadata(rows, num_rows=4)
     dtypes = {f.name: getattr(md, f.name).dtype for f in dataclasses.fields(md)}
     assert dtypes["seeds"] == np.uint32 and dtypes["penalty_is_output"] == np.bool_
     assert dtypes["top_k"] == np.int32 and dtypes["temperature"] == np.float32
     assert md.top_k.tolist() == [0, 0, 0, 0]
     assert md.temperature.tolist() == [0.5, 1.0, 0.0, 0.0]  # padding rows are greedy
     assert md.seeds.tolist() == [7, 8, 0, 0] and md.step_index.tolist() == [3, 0, 0, 0]
-    assert md.penalty_token_ids[0].tolist() == [-1] * 6  # no penalties: no tokens needed
-    assert md.penalty_token_ids[1].tolist() == [4, 5, 6, 9, 9, -1]
-    assert md.penalty_is_output[1].tolist() == [False, False, True, True, True, False]
+    # One flat list for the batch: only row 1 has penalties; padding after its entries.
+    assert len(md.penalty_token_ids) == MIN_PENALTY_ENTRIES
+    assert md.penalty_rows[:5].tolist() == [1] * 5
+    assert md.penalty_token_ids[:6].tolist() == [4, 5, 6, 9, 9, -1]
+    assert md.penalty_is_output[:6].tolist() == [False, False, True, True, True, False]
     assert md.repetition_penalty.tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize(
-    ("rows", "num_rows", "width", "match"),
+    ("rows", "num_rows", "match"),
     [
-        ([_row()] * 3, 2, 0, "num_rows"),
-        ([_row()], 1, -1, "penalty_width"),
-        ([_row(prompt=[1, 2], output=[3], presence_penalty=1.0)], 1, 2, "penalty_width >= 3"),
-        ([_row(seed=2**32)], 1, 0, "seed"),
-        ([_row(seed=-1)], 1, 0, "seed"),
-        ([_row(step=-1)], 1, 0, "step_index"),
-        ([_row(prompt=[-1], repetition_penalty=1.1)], 1, 1, "token ids"),
+        ([_row()] * 3, 2, "num_rows"),
+        ([_row(seed=2**32)], 1, "seed"),
+        ([_row(seed=-1)], 1, "seed"),
+        ([_row(step=-1)], 1, "step_index"),
+        ([_row(prompt=[-1], repetition_penalty=1.1)], 1, "token ids"),
     ],
 )
-def test_make_sampling_metadata_rejects(
-    rows: list[SamplingRow], num_rows: int, width: int, match: str
-) -> None:
+def test_make_sampling_metadata_rejects(rows: list[SamplingRow], num_rows: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        make_sampling_metadata(rows, num_rows, width)
+        make_sampling_metadata(rows, num_rows)
+
+
+def test_penalty_histories_of_any_length_share_one_program_up_to_the_list() -> None:
+    """Histories from 1 to thousands of tokens, on any rows, fill one flat list of
+    MIN_PENALTY_ENTRIES: one compiled sampler. Past it the list doubles (one more)."""
+    fn = jax.jit(lambda logits, md: sample(logits, md))  # a cache of its own
+    logits = _logits(4, 64)
+    rng = np.random.default_rng(5)
+    for length in (1, 7, 100, 1000, MIN_PENALTY_ENTRIES // 4 - 10):
+        rows = [
+            _row(seed=i, output=rng.integers(0, 64, length).tolist(), frequency_penalty=0.3)
+            for i in range(4)
+        ]
+        md = make_sampling_metadata(rows, 4)
+        assert len(md.penalty_token_ids) == MIN_PENALTY_ENTRIES
+        got = np.asarray(penalties_jit(logits, md, np.zeros(4, np.int32)))
+        for i, row in enumerate(rows):
+            want = np_penalise(logits[i], [], row.output_token_ids, 1.0, 0.3, 0.0)
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-3)
+        fn(logits, md).token_ids.block_until_ready()
+    assert fn._cache_size() == 1
+    long_rows = [_row(output=[1] * (MIN_PENALTY_ENTRIES // 2 + 1), presence_penalty=1.0)] * 2
+    assert len(make_sampling_metadata(long_rows, 4).penalty_token_ids) == 2 * MIN_PENALTY_ENTRIES
 
 
 def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
@@ -423,7 +444,7 @@ def test_banned_tokens_are_never_chosen_but_keep_raw_logprobs() -> None:
         SamplingRow(SamplingParams(temperature=1.0), 5, 0, (), (), [int(top[1]), 3]),
         _row(temperature=0.0),
     ]
-    md = make_sampling_metadata(rows, 4, 0)
+    md = make_sampling_metadata(rows, 4)
     out = sample_jit(np.pad(logits, ((0, 1), (0, 0))), md)
     assert out.token_ids[0] == np.argsort(-logits[0])[1]  # the runner-up
     assert out.token_ids[1] not in (top[1], 3) and out.token_ids[2] == top[2]
@@ -438,7 +459,7 @@ def test_logit_bias_adds_to_the_logits_it_names_and_nothing_else() -> None:
         _row(temperature=0.0),
         _row(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
     ]
-    md = make_sampling_metadata(rows, 3, 0)
+    md = make_sampling_metadata(rows, 3)
     assert md.bias_token_ids.shape == (MIN_BIAS_ENTRIES,)  # one width for every step
     out = sample_jit(logits, md)
     want = logits.copy()
@@ -455,7 +476,7 @@ def test_logit_bias_adds_to_the_logits_it_names_and_nothing_else() -> None:
 def test_bias_list_grows_past_its_minimum_in_powers_of_two() -> None:
     wide = {t: 1.0 for t in range(300)}
     rows = [_row(logit_bias=wide) for _ in range(4)]  # 1200 entries
-    md = make_sampling_metadata(rows, 4, 0)
+    md = make_sampling_metadata(rows, 4)
     assert md.bias_token_ids.shape == (2048,)
     assert (md.bias_rows[:1200] == np.repeat(np.arange(4), 300)).all()
     logits = _logits(4, 400, seed=1)
@@ -486,9 +507,9 @@ def test_token_bitmask_keeps_exactly_the_set_bits(vocab: int) -> None:
 def test_no_logprobs_requested_skips_them_without_changing_tokens() -> None:
     logits = _logits(4, 40, seed=2)
     rows = [_row(seed=i, temperature=0.9) for i in range(4)]
-    plain = sample_jit(logits, make_sampling_metadata(rows, 4, 0))
+    plain = sample_jit(logits, make_sampling_metadata(rows, 4))
     rows[1] = _row(seed=1, temperature=0.9, logprobs=2)
-    asked = sample_jit(logits, make_sampling_metadata(rows, 4, 0))
+    asked = sample_jit(logits, make_sampling_metadata(rows, 4))
     np.testing.assert_array_equal(np.asarray(plain.token_ids), np.asarray(asked.token_ids))
     assert not np.asarray(plain.top_logprobs).any() and np.asarray(asked.top_logprobs).all()
 
