@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +38,9 @@ from bench import common
 PEER_PRESET = common.Preset(
     "peer", 384, 1024, 6, 6, 2, 8192, 1024, "float32", 1.0, 48, 256, 2048, None, (16,)
 )
+# Hugging Face generate's batch sizes tried (mix48 in one batch was its best: 575 tok/s
+# against 511 at 16).
+HF_BATCH_SIZES = (16, 24, 48)
 WORKLOADS = {  # name: (requests, prompt length range, output length range), inclusive
     "mix48": (48, (32, 384), (16, 192)),
     "mix256": (256, (16, 160), (8, 96)),
@@ -51,6 +55,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
     p.add_argument("--jvllm-engine", default="{}", help="extra LLM() keywords, as JSON")
+    p.add_argument(
+        "--hf", action="store_true", help="also time Hugging Face generate (once, in-process)"
+    )
     p.add_argument("--output", type=Path, help="default: bench/results/peer_<workload>.json")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -113,9 +120,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             common.log(f"  {run['output_tokens_per_s']:.1f} output tok/s")
             runs[name].append(run)
     result.update(summarise(args.workload, requests, runs))
+    result.update(roofline(requests, runs))
+    if args.hf:
+        common.log("Hugging Face generate ...")
+        result["hf"] = run_hf(model_dir, requests)
+        result["ratio_jvllm_over_hf"] = (
+            result["median_output_tokens_per_s"]["jvllm"] / result["hf"]["output_tokens_per_s"]
+        )
     print_report(result)
     common.write_result(args.output or common.RESULTS_DIR / f"peer_{args.workload}.json", result)
     return result
+
+
+def roofline(requests: list[tuple[list[int], int]], runs: dict[str, list[dict]]) -> dict:
+    """Each engine's useful FLOP/s (bench/common.py's FlopModel over the workload, at its
+    median run) against the best in-process 2048^3 float32 matmul (JAX or torch)."""
+    useful = common.FlopModel.from_preset(PEER_PRESET).workload(
+        [common.BenchRequest(ids, n) for ids, n in requests]
+    )
+    yardstick = common.measure_matmul("float32", 2048)
+    fractions = {
+        name: useful / statistics.median(r["elapsed_s"] for r in rs) / yardstick["peak_flops"]
+        for name, rs in runs.items()
+    }
+    return dict(useful_flops=useful, yardstick=yardstick, roofline_fraction=fractions)
+
+
+def run_hf(model_dir: Path, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Transformers' `generate` on the same requests (bench/throughput.py's runner: left-
+    padded batches, each run to its longest output), at the best of HF_BATCH_SIZES."""
+    from bench.throughput import run_hf as run_hf_batches
+
+    bench_requests = [common.BenchRequest(ids, n) for ids, n in requests]
+    preset = dataclasses.replace(PEER_PRESET, hf_batch_sizes=HF_BATCH_SIZES)
+    return run_hf_batches(model_dir, preset, bench_requests, False, len(requests))
 
 
 def summarise(workload: str, requests: list, runs: dict[str, list[dict]]) -> dict[str, Any]:
@@ -169,6 +207,16 @@ def print_report(result: dict[str, Any]) -> None:
             f"jvllm / vLLM: {result['ratio_jvllm_over_vllm']:.2f}x; greedy outputs identical for "
             f"{result['greedy_outputs_identical']}/{n} requests "
             f"(mean common prefix {100 * result['common_prefix_fraction']:.1f}%)"
+        )
+    peak = result["yardstick"]["peak_flops"]
+    print(
+        f"matmul roofline {peak / 1e9:.0f} GFLOP/s: "
+        + ", ".join(f"{k} {100 * v:.0f}%" for k, v in result["roofline_fraction"].items())
+    )
+    if "hf" in result:
+        print(
+            f"HF generate: {result['hf']['output_tokens_per_s']:.1f} out tok/s at batch size "
+            f"{result['hf']['batch_size']}; jvllm / HF: {result['ratio_jvllm_over_hf']:.2f}x"
         )
 
 
