@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,16 +106,15 @@ def test_checkpoint_is_packed_by_the_library(packed) -> None:
     assert config["quant_method"] == "compressed-tensors" and config["format"] == want
 
 
-def test_logits_match_transformers(reference) -> None:
-    llm, hf = reference
+def check_logits(llm: LLM, hf: Any) -> None:
+    """Every position's logits on one prompt within 1e-4 * max(1, max|logits|) of hf's."""
     ids = prompts()[6]
-    row = prompt_row(ids)
-    (got,) = llm.engine.runner.forward_logits([row], every_token=True)
-    assert_close(got, hf_logits(hf, ids))  # within 1e-4 * max(1, max|logits|)
+    (got,) = llm.engine.runner.forward_logits([prompt_row(ids)], every_token=True)
+    assert_close(got, hf_logits(hf, ids))
 
 
-def test_greedy_generate_matches_transformers(reference) -> None:
-    llm, hf = reference
+def check_greedy(llm: LLM, hf: Any) -> None:
+    """Greedy outputs on the 12 prompts equal hf's, token for token."""
     eos = llm.get_tokenizer().eos_token_id
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
@@ -121,19 +122,26 @@ def test_greedy_generate_matches_transformers(reference) -> None:
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS, eos)
 
 
-def test_tensor_parallel_equals_one_device(packed) -> None:
+def check_tensor_parallel(llm: LLM, checkpoint: Path) -> None:
+    """The checkpoint at tensor_parallel_size=2 gives `llm`'s greedy tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts()[:4]]
-    outs = [
-        [
-            o.outputs[0].token_ids
-            for o in LLM(str(packed), tensor_parallel_size=tp, **ENGINE).generate(
-                batch, params, use_tqdm=False
-            )
-        ]
-        for tp in (1, 2)
-    ]
+    two = LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE)
+    outs = [[o.outputs[0].token_ids for o in e.generate(batch, params, use_tqdm=False)]
+            for e in (llm, two)]  # fmt: skip
     assert outs[0] == outs[1]
+
+
+def test_logits_match_transformers(reference) -> None:
+    check_logits(*reference)
+
+
+def test_greedy_generate_matches_transformers(reference) -> None:
+    check_greedy(*reference)
+
+
+def test_tensor_parallel_equals_one_device(packed) -> None:
+    check_tensor_parallel(LLM(str(packed), **ENGINE), packed)
 
 
 def test_packed_weights_take_the_bytes_of_their_bits(packed, checkpoints) -> None:

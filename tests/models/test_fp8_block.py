@@ -17,13 +17,16 @@ import shutil
 import pytest
 import torch
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM
 from jvllm.models.loader import load_model
 from jvllm.parallel.mesh import make_mesh
-from tests.models.test_compressed_tensors import ENGINE, NEW_TOKENS, prompts
-from tests.models.test_forward import assert_close, hf_logits
-from tests.models.test_quantization import linear_bytes, prompt_row
-from tests.test_llm import hf_greedy
+from tests.models.test_compressed_tensors import (
+    ENGINE,
+    check_greedy,
+    check_logits,
+    check_tensor_parallel,
+)
+from tests.models.test_quantization import linear_bytes
 
 ct = pytest.importorskip("compressed_tensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -111,29 +114,15 @@ def test_checkpoint_is_block_fp8(fp8_dir) -> None:
 
 
 def test_logits_match_transformers(reference) -> None:
-    llm, hf = reference
-    ids = prompts()[6]
-    (got,) = llm.engine.runner.forward_logits([prompt_row(ids)], every_token=True)
-    assert_close(got, hf_logits(hf, ids))  # within 1e-4 * max(1, max|logits|)
+    check_logits(*reference)
 
 
 def test_greedy_generate_matches_transformers(reference) -> None:
-    llm, hf = reference
-    eos = llm.get_tokenizer().eos_token_id
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    for ids, out in zip(prompts(), outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, NEW_TOKENS, eos)
+    check_greedy(*reference)
 
 
 def test_tensor_parallel_equals_one_device(reference, fp8_dir) -> None:
-    llm, _ = reference
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts()[:4]]
-    two = LLM(str(fp8_dir), tensor_parallel_size=2, **ENGINE)
-    outs = [[o.outputs[0].token_ids for o in e.generate(batch, params, use_tqdm=False)]
-            for e in (llm, two)]  # fmt: skip
-    assert outs[0] == outs[1]
+    check_tensor_parallel(reference[0], fp8_dir)
 
 
 def test_fp8_weights_take_about_half_the_bytes_of_bfloat16(fp8_dir, checkpoints) -> None:
