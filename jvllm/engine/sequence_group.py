@@ -195,11 +195,7 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        # A loop, not all() over a generator: asked twice per sequence and step.
-        for child in self.children:
-            if child.finished_status is None:
-                return False
-        return True
+        return all(child.finished_status is not None for child in self.children)
 
     def output(self) -> RequestOutput:
         first = self.children[0]
