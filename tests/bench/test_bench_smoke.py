@@ -104,6 +104,20 @@ def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "goal" not in written  # only reported at 256 sequences
 
 
+def test_device_idle_small(tmp_path: Path) -> None:
+    """Without async scheduling the device waits for the host between every two steps."""
+    from bench import device_idle
+
+    out = tmp_path / "idle.json"
+    argv = ["--num-seqs", "8", "--prompt-len", "8", "--output-len", "12"]
+    argv += ["--max-num-batched-tokens", "64", "--no-async", "--models-dir", str(tmp_path)]
+    result = device_idle.main([*argv, "--output", str(out)])
+    r = json.loads(out.read_text())["results"]
+    assert r == result["results"]
+    assert r["steps"] >= 12 and r["full_steps"] >= 8
+    assert 0 < r["idle_s"] < r["wall_s"] and 0 < r["idle_fraction"] < 1
+
+
 def test_plot_writes_pngs(tmp_path: Path) -> None:
     from bench import plot
 
