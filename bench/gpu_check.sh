@@ -75,6 +75,10 @@ if [ "$(left)" -gt 330 ]; then
   step spec-decode 150 "$PY" bench/spec_decode.py --concurrency 1,4 --num-prompts 8 \
     --repeats 1 --max-tokens 64 --eagle demo --out "$RESULTS/spec_decode_gpu.json"
 fi
+if [ "$(left)" -gt 300 ]; then
+  # How long the GPU waits for the host between steps at 256 decoding sequences.
+  step device-idle 120 "$PY" bench/device_idle.py --output "$RESULTS/device_idle_gpu.json"
+fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
   step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
@@ -96,6 +100,10 @@ fi
 echo "=== deviceless predictions (tests/gpu_compile, no GPU) | this GPU"
 timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.json" 2>&1 |
   tee "$LOGS/predictions.log" | grep -v "^W\|^I0"
+if [ -f "$LOGS/device-idle.log" ]; then
+  echo "=== device idle under async scheduling (goal: at most 10% at 256 sequences)"
+  grep "device idle" "$LOGS/device-idle.log" | tail -1
+fi
 if [ -f "$LOGS/spec-decode.log" ]; then
   echo "=== speculative decoding, demo model (tokens/s, acceptance)"
   sed -n '/concurrency  *proposer/,$p' "$LOGS/spec-decode.log" | head -10
