@@ -25,7 +25,7 @@ from jvllm.models.quantization import (
     FloatWeights,
     PackedWeights,
     dequantized_weight,
-    fake_quantize_tokens,
+    float_linear,
     storage_dtype,
 )
 from jvllm.models.spec import ModelSpec
@@ -37,7 +37,8 @@ _init = nn.initializers.normal(0.02)
 class Linear(nn.Module):
     """y = x @ W.T (+ b) with W stored `[out, in]` as in the checkpoint; with
     `quantization`, W is int8 or float8 with float32 `weight_scale` per output channel,
-    or a packed or block-scaled checkpoint's form, dequantized in the step."""
+    a float8 checkpoint's (FP8 W8A8) form, or a packed or block-scaled checkpoint's form,
+    dequantized in the step."""
 
     features: int
     use_bias: bool
@@ -53,11 +54,7 @@ class Linear(nn.Module):
             w = dequantized_weight(self, self.quantization, self.features, x.shape[-1], self.dtype)
             y = jnp.einsum("...i,oi->...o", x, w)
         elif isinstance(self.quantization, FloatWeights):
-            q = self.param("weight", nn.initializers.zeros, shape, jnp.float8_e4m3fn)
-            scale = self.param("weight_scale", nn.initializers.ones, (self.features, 1), self.dtype)
-            if self.quantization.dynamic_activations:
-                x = fake_quantize_tokens(x)
-            y = jnp.einsum("...i,oi->...o", x, q.astype(self.dtype)) * scale[:, 0]
+            y = float_linear(self, self.quantization, x, self.features, self.dtype)
         else:
             q = self.param("weight", nn.initializers.zeros, shape, storage_dtype(self.quantization))
             scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)

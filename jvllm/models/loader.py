@@ -229,6 +229,8 @@ def read_params(
                 f"{model_dir}: checkpoint has no tensor {index.describe(name, wanted[name])}"
             )
         array = index.array(name)
+        if array.shape == () and wanted[name] == (1,):
+            array = array.reshape(1)  # a per-tensor scale some writers store as a scalar
         if array.shape != wanted[name]:
             raise ValueError(
                 f"{index.file(name)}: tensor {name!r} has shape {array.shape}, "

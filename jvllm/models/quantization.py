@@ -18,6 +18,10 @@ declares those parameters and dequantizes them inside the step; `packed_formats.
 converts the other layouts to this one on the host. `packed_weights(config)` reads and
 checks a compressed-tensors quantization_config.
 
+Float-quantized checkpoints (compressed-tensors FP8 W8A8) keep float8 weights with a
+scale per output channel or one per tensor; `float_linear` rounds the inputs through
+float8 first where the scheme says (per token, or at a calibrated per-tensor scale).
+
 Block-scaled float8 checkpoints (`quant_method: "fp8"`) keep their float8 weights and
 per-tile scales as stored; `block_float_weight` multiplies them out in the step.
 """
@@ -87,13 +91,24 @@ class PackedWeights:
         return 1 if self.group_size is None else in_features // self.group_size
 
 
+# compressed-tensors float8 weight strategies, and (dynamic, strategy) of float8 inputs.
+FLOAT_WEIGHT_STRATEGIES = ("channel", "tensor")
+FLOAT_ACTIVATIONS = {(True, "token"): "token", (False, "tensor"): "tensor"}
+
+
 @dataclass(frozen=True)
 class FloatWeights:
-    """compressed-tensors float-quantized linear weights (FP8 W8A8, "FP8_DYNAMIC"):
-    float8 e4m3 weights with a scale per output channel; with `dynamic_activations`
-    each token's input is quantized to float8 too, by its own max|x| / 448."""
+    """compressed-tensors float-quantized linear weights (FP8 W8A8): float8 e4m3 weights
+    with `weight_scale` per output channel ([out, 1], "FP8_DYNAMIC") or per tensor ([1],
+    "FP8"). `activations`: None keeps inputs float; "token" rounds each token through
+    float8 at its own max|x| / 448; "tensor" at the layer's calibrated `input_scale` [1]."""
 
-    dynamic_activations: bool
+    weight_strategy: str = "channel"
+    activations: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.weight_strategy in FLOAT_WEIGHT_STRATEGIES, self.weight_strategy
+        assert self.activations in (None, *FLOAT_ACTIVATIONS.values()), self.activations
 
 
 @dataclass(frozen=True)
@@ -115,14 +130,41 @@ def fake_quantize_tokens(x: jax.Array) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(x.dtype)
 
 
+def fake_quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x rounded through float8 e4m3 at one calibrated `scale` [1], values beyond
+    448 * scale clamped (what a static per-tensor FP8 input quantizer computes)."""
+    qmax = _QMAX["fp8"]
+    scale = scale.astype(jnp.float32)
+    q = jnp.clip(x.astype(jnp.float32) / scale, -qmax, qmax).astype(jnp.float8_e4m3fn)
+    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def float_linear(
+    module: nn.Module, q: FloatWeights, x: jax.Array, features: int, dtype: jnp.dtype
+) -> jax.Array:
+    """Declares an FP8 W8A8 layer's parameters on `module` and returns x @ W.T, the
+    inputs rounded through float8 first where `q` quantizes them."""
+    zeros, ones = nn.initializers.zeros, nn.initializers.ones
+    w = module.param("weight", zeros, (features, x.shape[-1]), jnp.float8_e4m3fn)
+    if q.weight_strategy == "tensor":
+        scale = module.param("weight_scale", ones, (1,), jnp.float32).astype(dtype)
+    else:
+        scale = module.param("weight_scale", ones, (features, 1), dtype)[:, 0]  # [out]
+    if q.activations == "token":
+        x = fake_quantize_tokens(x)
+    elif q.activations == "tensor":
+        x = fake_quantize_static(x, module.param("input_scale", ones, (1,), jnp.float32))
+    return jnp.einsum("...i,oi->...o", x, w.astype(dtype)) * scale
+
+
 def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatWeights:
     """The scheme of a compressed-tensors quantization_config; ValueError naming what is
     not supported (and what is)."""
     supported = (
         "pack-quantized int weights of 4 or 8 bits, symmetric or with zero points, by group "
         "(activation order 'group', 'weight' or none) or channel, with float activations; "
-        "float-quantized float8 weights per channel with float or dynamic per-token float8 "
-        "activations"
+        "float-quantized float8 weights per channel or per tensor, with float, dynamic "
+        "per-token or static per-tensor float8 activations"
     )
 
     def refuse(what: str) -> ValueError:
@@ -167,13 +209,20 @@ def _int_scheme(w: dict[str, Any], refuse: Any) -> PackedWeights:
 
 def _float_scheme(group: dict[str, Any], refuse: Any) -> FloatWeights:
     w, a = group.get("weights") or {}, group.get("input_activations")
-    if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") != "channel":
-        raise refuse(f"float weights of {w.get('num_bits')} bits by {w.get('strategy')!r}")
-    if a and not (a.get("type") == "float" and a.get("dynamic") and a.get("strategy") == "token"):
-        raise refuse(
-            f"{'dynamic' if a.get('dynamic') else 'static'} activations by {a.get('strategy')!r}"
-        )
-    return FloatWeights(dynamic_activations=bool(a))
+    strategy = w.get("strategy")
+    float8 = ("float", 8)
+    if (w.get("type"), w.get("num_bits")) != float8 or strategy not in FLOAT_WEIGHT_STRATEGIES:
+        raise refuse(f"float weights of {w.get('num_bits')} bits by {strategy!r}")
+    if not a:
+        return FloatWeights(strategy)
+    kind = "dynamic" if a.get("dynamic") else "static"
+    activations = FLOAT_ACTIVATIONS.get((bool(a.get("dynamic")), a.get("strategy")))
+    if (a.get("type"), a.get("num_bits")) != float8 or activations is None:
+        what = f"{a.get('type')} activations of {a.get('num_bits')} bits"
+        raise refuse(f"{kind} {what} by {a.get('strategy')!r}")
+    if not a.get("symmetric", True):
+        raise refuse("asymmetric float8 activations (with zero points)")
+    return FloatWeights(strategy, activations)
 
 
 def unpack(packed: jax.Array, bits: int, in_features: int) -> jax.Array:

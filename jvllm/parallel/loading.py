@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jvllm.parallel.mesh import ModelShapes, kv_replication, partition_spec
+from jvllm.parallel.mesh import ModelShapes, is_per_tensor, kv_replication, partition_spec
 
 
 def to_numpy_dtype(dtype: jnp.dtype) -> np.dtype:
@@ -39,7 +39,7 @@ class ShardedPlacer:
     def expected_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The checkpoint shape a model parameter of `shape` comes from."""
         repeats = kv_replication(self.spec, self.tp)
-        if repeats > 1 and _is_kv_projection(name):
+        if repeats > 1 and _is_kv_projection(name, shape):
             return (shape[0] // repeats, *shape[1:])
         return shape
 
@@ -48,7 +48,7 @@ class ShardedPlacer:
     ) -> jax.Array:
         """The parameter's slices on their devices (in `memory_kind` memory if given)."""
         repeats = kv_replication(self.spec, self.tp)
-        if repeats > 1 and _is_kv_projection(name):
+        if repeats > 1 and _is_kv_projection(name, array.shape):
             array = repeat_kv_heads(array, repeats, self.spec.head_dim)
         spec = partition_spec(name, array.shape, self.spec, self.tp)
         sharding = NamedSharding(self.mesh, spec, memory_kind=memory_kind)
@@ -58,7 +58,8 @@ class ShardedPlacer:
         )
 
 
-def _is_kv_projection(name: str) -> bool:
+def _is_kv_projection(name: str, shape: tuple[int, ...]) -> bool:
     """A k/v projection tensor whose first axis is its outputs (a packed layer's
-    weight_g_idx runs over its inputs)."""
-    return (".k_proj." in name or ".v_proj." in name) and not name.endswith(".weight_g_idx")
+    weight_g_idx runs over its inputs; a per-tensor scale over nothing)."""
+    kv = ".k_proj." in name or ".v_proj." in name
+    return kv and not name.endswith(".weight_g_idx") and not is_per_tensor(name, shape)

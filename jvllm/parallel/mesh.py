@@ -7,7 +7,8 @@ cache on its KV-head axis. Embedding and lm_head are vocab-parallel when the
 vocabulary divides evenly, else replicated: vocab-parallel saves V*H/N memory per
 device at the price of one all-gather of the logits. When a model has fewer KV
 heads than devices, each KV head is replicated `tp / num_kv_heads` times (as vLLM
-does), so every device still holds whole heads.
+does), so every device still holds whole heads. A scale of a whole tensor (FP8
+per-tensor weight and static input scales) is replicated whichever way its layer splits.
 
 Imports go one way: `jvllm.models` imports this package, never the reverse, so the
 rules read a model's shapes through the `ModelShapes` protocol (`ModelSpec` fits it).
@@ -82,9 +83,17 @@ def kv_replication(spec: ModelShapes, tp: int) -> int:
     return tp // spec.num_kv_heads if spec.num_kv_heads < tp else 1
 
 
+def is_per_tensor(name: str, shape: tuple[int, ...]) -> bool:
+    """A scale that stands for a whole tensor (an FP8 per-tensor `weight_scale` [1] or a
+    static `input_scale`): every part of a split layer keeps it, and KV-head replication
+    leaves it alone."""
+    scale = name.endswith(".input_scale") or name.endswith(".weight_scale")
+    return scale and int(np.prod(shape)) == 1 and len(shape) <= 1
+
+
 def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int) -> P:
     """The PartitionSpec of one parameter of `shape`, by its Hugging Face name."""
-    if tp == 1:
+    if tp == 1 or is_per_tensor(name, shape):
         return P()
     ndim = len(shape)
     leaf = name.split(".")[-2] if ndim else ""
