@@ -29,8 +29,8 @@ its token equals the draft.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -315,7 +315,7 @@ def _key_value(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _bisect_threshold(keys: jax.Array, holds: Any) -> jax.Array:
+def _bisect_threshold(keys: jax.Array, holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """Per row, the smallest key t (uint32 [S]) at which `holds(t)` (bool [S], false
     below some key and true from it on) is true, searched between each row's smallest
     and largest key: 32 halvings cover the whole uint32 range."""

@@ -87,6 +87,64 @@ struct Shapes {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
+// An item's working rows, one per (query, head) it computes, in per-thread scratch on
+// the heap (XLA's worker threads may have small stacks): each row's scaled query, its
+// output accumulator, running max and sum, and its scores over one block.
+struct Rows {
+  float (*qv)[kMaxHeadDim];
+  float (*acc)[kMaxHeadDim];
+  float* m;
+  float* l;
+  float (*scores)[64];  // block_size <= 64
+  float* buf;           // one widened bf16 key or value row, up to kRows * kMaxHeadDim
+};
+
+inline Rows ThreadRows() {
+  thread_local std::vector<float> scratch(kRows * (3 * kMaxHeadDim + 2 + 64));
+  float* s = scratch.data();
+  return Rows{reinterpret_cast<float(*)[kMaxHeadDim]>(s),
+              reinterpret_cast<float(*)[kMaxHeadDim]>(s + kRows * kMaxHeadDim),
+              s + 2 * kRows * kMaxHeadDim,
+              s + 2 * kRows * kMaxHeadDim + kRows,
+              reinterpret_cast<float(*)[64]>(s + 2 * kRows * kMaxHeadDim + 2 * kRows),
+              s + kRows * (2 * kMaxHeadDim + 2 + 64)};
+}
+
+// Row r starts on query `src` (d values), scaled, with nothing accumulated.
+template <typename T>
+inline void StartRow(Rows& w, int64_t r, const T* src, int64_t d, float scale) {
+  for (int64_t x = 0; x < d; ++x) w.qv[r][x] = ToFloat(src[x]) * scale;
+  std::fill(w.acc[r], w.acc[r] + d, 0.0f);
+  w.m[r] = -INFINITY;
+  w.l[r] = 0.0f;
+}
+
+// Folds row r's scores of keys [lo, hi) of one block into its online softmax: keys it
+// may see ([see_lo, see_hi)) get their weight exp(score - max), the others 0.
+inline void SoftmaxBlock(Rows& w, int64_t r, int64_t d, int64_t lo, int64_t hi,
+                         int64_t see_lo, int64_t see_hi) {
+  float* scores = w.scores[r];
+  float block_max = -INFINITY;
+  for (int64_t o = see_lo; o < see_hi; ++o) block_max = std::max(block_max, scores[o]);
+  const float m_new = std::max(w.m[r], block_max);
+  const float correction = w.m[r] == -INFINITY ? 0.0f : ExpNonPositive(w.m[r] - m_new);
+  w.l[r] *= correction;
+  for (int64_t x = 0; x < d; ++x) w.acc[r][x] *= correction;  // 0 before any key
+  w.m[r] = m_new;
+  for (int64_t o = lo; o < hi; ++o) {
+    const bool seen = o >= see_lo && o < see_hi;
+    scores[o] = seen ? ExpNonPositive(scores[o] - m_new) : 0.0f;
+  }
+  for (int64_t o = lo; o < hi; ++o) w.l[r] += scores[o];
+}
+
+// Row r's output: its accumulator over its weights' sum.
+template <typename T>
+inline void FinishRow(const Rows& w, int64_t r, int64_t d, T* dst) {
+  const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+  for (int64_t x = 0; x < d; ++x) FromFloat(w.acc[r][x] * inv, dst + x);
+}
+
 // One work item: up to kTile consecutive queries of one sequence and one KV head, every
 // query head of its GQA group, with an online softmax over the keys block by block.
 // Query i sits at position first_pos + i and sees keys in (pos - window, pos].
@@ -97,23 +155,12 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
                 int64_t kv_head, float scale, int64_t window, T* out) {
   const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
   const int64_t rows = num_q * g_count;  // (query, head) rows, query-major
-  // Scratch on the heap, once per thread: XLA's worker threads may have small stacks.
-  thread_local std::vector<float> scratch;
-  scratch.resize(kRows * (2 * kMaxHeadDim + 2 + 64) + kMaxHeadDim);
-  auto qv = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data());
-  auto acc = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data() + kRows * kMaxHeadDim);
-  float* m = scratch.data() + 2 * kRows * kMaxHeadDim;
-  float* l = m + kRows;
-  auto scores = reinterpret_cast<float(*)[64]>(l + kRows);  // one block; block_size <= 64
-  float* buf = scratch.data() + kRows * (2 * kMaxHeadDim + 2 + 64);  // a widened bf16 row
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / g_count, g = r % g_count;
-    const T* src = q + ((first_token + i) * sh.num_heads + kv_head * g_count + g) * d;
-    for (int64_t x = 0; x < d; ++x) qv[r][x] = ToFloat(src[x]) * scale;
-    std::fill(acc[r], acc[r] + d, 0.0f);
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  Rows w = ThreadRows();
+  // Row r is query r / g_count and head kv_head * g_count + r % g_count.
+  auto head_offset = [&](int64_t r) {
+    return ((first_token + r / g_count) * sh.num_heads + kv_head * g_count + r % g_count) * d;
+  };
+  for (int64_t r = 0; r < rows; ++r) StartRow(w, r, q + head_offset(r), d, scale);
   const int64_t last = first_pos + num_q - 1;  // the tile's last query position
   const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t blk = first / bs; blk <= last / bs; ++blk) {
@@ -121,11 +168,11 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
     const int64_t hi = std::min(last, blk * bs + bs - 1) - blk * bs + 1;
     const int64_t base = static_cast<int64_t>(table[blk]) * bs;
     for (int64_t o = lo; o < hi; ++o) {
-      const float* kf = AsFloat(k_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, buf);
+      const float* kf = AsFloat(k_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, w.buf);
       for (int64_t r = 0; r < rows; ++r) {
         float dot = 0.0f;
-        for (int64_t x = 0; x < d; ++x) dot += qv[r][x] * kf[x];
-        scores[r][o] = dot;
+        for (int64_t x = 0; x < d; ++x) dot += w.qv[r][x] * kf[x];
+        w.scores[r][o] = dot;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -133,34 +180,17 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
       const int64_t pos = first_pos + r / g_count;
       const int64_t see_lo = std::max(lo, (window > 0 ? pos - window + 1 : 0) - blk * bs);
       const int64_t see_hi = std::min(hi, pos - blk * bs + 1);
-      float block_max = -INFINITY;
-      for (int64_t o = see_lo; o < see_hi; ++o) block_max = std::max(block_max, scores[r][o]);
-      const float m_new = std::max(m[r], block_max);
-      const float correction =
-          m[r] == -INFINITY ? 0.0f : ExpNonPositive(m[r] - m_new);  // 0 before any key
-      l[r] *= correction;
-      for (int64_t x = 0; x < d; ++x) acc[r][x] *= correction;
-      m[r] = m_new;
-      for (int64_t o = lo; o < hi; ++o) {
-        const bool seen = o >= see_lo && o < see_hi;
-        scores[r][o] = seen ? ExpNonPositive(scores[r][o] - m_new) : 0.0f;
-      }
-      for (int64_t o = lo; o < hi; ++o) l[r] += scores[r][o];
+      SoftmaxBlock(w, r, d, lo, hi, see_lo, see_hi);
     }
     for (int64_t o = lo; o < hi; ++o) {
-      const float* vf = AsFloat(v_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, buf);
+      const float* vf = AsFloat(v_cache + ((base + o) * sh.num_kv_heads + kv_head) * d, d, w.buf);
       for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r][o];
-        for (int64_t x = 0; x < d; ++x) acc[r][x] += p * vf[x];
+        const float p = w.scores[r][o];
+        for (int64_t x = 0; x < d; ++x) w.acc[r][x] += p * vf[x];
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / g_count, g = r % g_count;
-    T* dst = out + ((first_token + i) * sh.num_heads + kv_head * g_count + g) * d;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t x = 0; x < d; ++x) FromFloat(acc[r][x] * inv, dst + x);
-  }
+  for (int64_t r = 0; r < rows; ++r) FinishRow(w, r, d, out + head_offset(r));
 }
 
 // A decode row: the one new query of a sequence, every head at once. Each key's row
@@ -173,21 +203,8 @@ void AttendDecode(const Shapes& sh, const T* q, const T* k_cache, const T* v_cac
                   int64_t window, T* out) {
   const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
   const int64_t rows = sh.num_heads, row_len = sh.num_kv_heads * d;
-  thread_local std::vector<float> scratch;
-  scratch.resize(kRows * (2 * kMaxHeadDim + 2 + 64) + kRows * kMaxHeadDim);
-  auto qv = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data());
-  auto acc = reinterpret_cast<float(*)[kMaxHeadDim]>(scratch.data() + kRows * kMaxHeadDim);
-  float* m = scratch.data() + 2 * kRows * kMaxHeadDim;
-  float* l = m + kRows;
-  auto scores = reinterpret_cast<float(*)[64]>(l + kRows);
-  float* buf = scratch.data() + kRows * (2 * kMaxHeadDim + 2 + 64);  // a widened bf16 row
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + (token * sh.num_heads + r) * d;
-    for (int64_t x = 0; x < d; ++x) qv[r][x] = ToFloat(src[x]) * scale;
-    std::fill(acc[r], acc[r] + d, 0.0f);
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  Rows w = ThreadRows();
+  for (int64_t r = 0; r < rows; ++r) StartRow(w, r, q + (token * rows + r) * d, d, scale);
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   for (int64_t blk = first / bs; blk <= pos / bs; ++blk) {
     const int64_t lo = std::max(first, blk * bs) - blk * bs;
@@ -202,57 +219,42 @@ void AttendDecode(const Shapes& sh, const T* q, const T* k_cache, const T* v_cac
       }
     }
     for (int64_t o = lo; o < hi; ++o) {
-      const float* krow = AsFloat(k_cache + (base + o) * row_len, row_len, buf);
+      const float* krow = AsFloat(k_cache + (base + o) * row_len, row_len, w.buf);
       for (int64_t r = 0; r < rows; ++r) {
         const float* kf = krow + (r / g_count) * d;
         float dot = 0.0f;
-        for (int64_t x = 0; x < d; ++x) dot += qv[r][x] * kf[x];
-        scores[r][o] = dot;
+        for (int64_t x = 0; x < d; ++x) dot += w.qv[r][x] * kf[x];
+        w.scores[r][o] = dot;
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float block_max = -INFINITY;
-      for (int64_t o = lo; o < hi; ++o) block_max = std::max(block_max, scores[r][o]);
-      const float m_new = std::max(m[r], block_max);
-      const float correction = m[r] == -INFINITY ? 0.0f : ExpNonPositive(m[r] - m_new);
-      l[r] *= correction;
-      for (int64_t x = 0; x < d; ++x) acc[r][x] *= correction;
-      m[r] = m_new;
-      for (int64_t o = lo; o < hi; ++o) scores[r][o] = ExpNonPositive(scores[r][o] - m_new);
-      for (int64_t o = lo; o < hi; ++o) l[r] += scores[r][o];
-    }
+    for (int64_t r = 0; r < rows; ++r) SoftmaxBlock(w, r, d, lo, hi, lo, hi);
     for (int64_t o = lo; o < hi; ++o) {
-      const float* vrow = AsFloat(v_cache + (base + o) * row_len, row_len, buf);
+      const float* vrow = AsFloat(v_cache + (base + o) * row_len, row_len, w.buf);
       for (int64_t r = 0; r < rows; ++r) {
         const float* vf = vrow + (r / g_count) * d;
-        const float p = scores[r][o];
-        for (int64_t x = 0; x < d; ++x) acc[r][x] += p * vf[x];
+        const float p = w.scores[r][o];
+        for (int64_t x = 0; x < d; ++x) w.acc[r][x] += p * vf[x];
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (token * sh.num_heads + r) * d;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t x = 0; x < d; ++x) FromFloat(acc[r][x] * inv, dst + x);
-  }
-}
-
-template <typename T>
-void AttendDecodeAnyDim(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
-                        const int32_t* table, int64_t token, int64_t pos, float scale,
-                        int64_t window, T* out) {
-  if (sh.head_dim == 64) {
-    AttendDecode<64>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
-  } else if (sh.head_dim == 128) {
-    AttendDecode<128>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
-  } else {
-    AttendDecode<0>(sh, q, k_cache, v_cache, table, token, pos, scale, window, out);
-  }
+  for (int64_t r = 0; r < rows; ++r) FinishRow(w, r, d, out + (token * rows + r) * d);
 }
 
 struct Item {
   int64_t seq, kv_head, first_token, first_pos, num_q;  // kv_head -1: a decode row
 };
+
+template <int kDim, typename T>
+void AttendItem(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
+                const int32_t* table, const Item& it, float scale, int64_t window, T* out) {
+  if (it.kv_head < 0) {
+    AttendDecode<kDim>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, scale,
+                       window, out);
+  } else {
+    AttendTile<kDim>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
+                     it.kv_head, scale, window, out);
+  }
+}
 
 template <typename T>
 void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
@@ -286,18 +288,12 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
     for (size_t k; (k = next_item.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
       const Item& it = items[k];
       const int32_t* table = tables + it.seq * sh.width;
-      if (it.kv_head < 0) {
-        AttendDecodeAnyDim(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, scale,
-                           window, out);
-      } else if (sh.head_dim == 64) {
-        AttendTile<64>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
-                       it.kv_head, scale, window, out);
+      if (sh.head_dim == 64) {
+        AttendItem<64>(sh, q, k_cache, v_cache, table, it, scale, window, out);
       } else if (sh.head_dim == 128) {
-        AttendTile<128>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
-                        it.kv_head, scale, window, out);
+        AttendItem<128>(sh, q, k_cache, v_cache, table, it, scale, window, out);
       } else {
-        AttendTile<0>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
-                      it.kv_head, scale, window, out);
+        AttendItem<0>(sh, q, k_cache, v_cache, table, it, scale, window, out);
       }
     }
   };
