@@ -353,7 +353,11 @@ class KVCacheManager:
         """Registers the request's computed full blocks whose tokens have all become known
         (a block completed by a token that was still on the device when it was allocated)."""
         table = self._block_tables.get(request.request_id)
-        if self.enable_prefix_caching and table:
+        if not (self.enable_prefix_caching and table):
+            return
+        # Called for every committed row: most commits complete no block.
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if full > len(self._content_ids.get(request.request_id, ())):
             self._register_full_blocks(request, table, request.num_computed_tokens)
 
     def _fits_privately(self, table: list[int], start: int, num_new: int) -> bool:

@@ -219,12 +219,8 @@ class Scheduler:
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
                 request.output_token_ids.append(sampled[row.request_id])
-            # Blocks completed by a now-known token: one token completes a block only at
-            # a block boundary.
-            if request.status is RequestStatus.RUNNING and (
-                row.num_spec_tokens or request.num_tokens % self.block_size == 0
-            ):
-                kv.cache_full_blocks(request)
+            if request.status is RequestStatus.RUNNING:
+                kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
     def replace_beams(
         self, parents: list[Request], children: list[tuple[Request, Request]]
