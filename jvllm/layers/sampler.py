@@ -158,12 +158,7 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata, last_input: jax.Arr
         | (md.frequency_penalty != 0.0)
         | (md.presence_penalty != 0.0)
     )
-    # The output token still on the device joins its row's history as one more entry.
-    rows = jnp.concatenate([md.penalty_rows, jnp.arange(logits.shape[0], dtype=jnp.int32)])
-    pending = jnp.where(md.pending_output, last_input, -1)  # [S]
-    ids = jnp.concatenate([md.penalty_token_ids, pending])  # [E + S]
-    is_output = jnp.concatenate([md.penalty_is_output, md.pending_output])
-    return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, rows, ids, is_output)
+    return lax.cond(active, _penalise, lambda lg, *_: lg, logits, md, last_input)
 
 
 def _bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -184,15 +179,14 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed.astype(bool), logits, -jnp.inf)
 
 
-def _penalise(
-    logits: jax.Array,
-    md: SamplingMetadata,
-    rows: jax.Array,
-    token_ids: jax.Array,
-    is_output: jax.Array,
-) -> jax.Array:
-    """rows, token_ids, is_output `[N]`: the batch's history entries, token -1 = padding."""
-    vocab = logits.shape[-1]
+def _penalise(logits: jax.Array, md: SamplingMetadata, last_input: jax.Array) -> jax.Array:
+    """Counts md's history entries (token -1 = padding) per row and applies the penalties."""
+    num_rows, vocab = logits.shape
+    # The output token still on the device joins its row's history as one more entry.
+    rows = jnp.concatenate([md.penalty_rows, jnp.arange(num_rows, dtype=jnp.int32)])  # [N]
+    pending = jnp.where(md.pending_output, last_input, -1)  # [S]
+    token_ids = jnp.concatenate([md.penalty_token_ids, pending])  # [N = E + S]
+    is_output = jnp.concatenate([md.penalty_is_output, md.pending_output])
     valid = token_ids >= 0  # [N]
     # Padding goes to index V, which mode="drop" discards (-1 would wrap to V - 1).
     ids = jnp.where(valid, token_ids, vocab)  # [N]
