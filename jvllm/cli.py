@@ -49,7 +49,11 @@ _HELP = {
     "gpu_memory_utilization": "fraction of device memory for weights and KV cache",
     "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing from memory",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "tensor_parallel_size": "devices to shard the model over",
+    "tensor_parallel_size": "devices to shard each layer over",
+    "pipeline_parallel_size": "pipeline stages to split the layers into (each stage on "
+    "tensor_parallel_size devices)",
+    "pipeline_micro_batches": "micro-batches a step runs through the pipeline stages "
+    "(default: one per stage; 1 runs one batch through the stages at a time)",
     "scheduling_policy": "continuous batching, or static batches (for comparison)",
     "async_scheduling": "schedule the next step while the device runs this one",
     "preemption_mode": "what preemption does to a request's KV blocks: recompute them "
@@ -103,6 +107,8 @@ _GROUPS = {
     "cpu_offload_gb": "CacheConfig",
     "kv_cache_dtype": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
+    "pipeline_parallel_size": "ParallelConfig",
+    "pipeline_micro_batches": "ParallelConfig",
     "coordinator_address": "ParallelConfig",
     "num_processes": "ParallelConfig",
     "process_id": "ParallelConfig",
@@ -123,7 +129,11 @@ _GROUP_ORDER = (
     "SpeculativeConfig",
     "EngineArgs",  # fields not in _GROUPS yet
 )
-_ALIASES = {"tensor_parallel_size": ["-tp"], "compilation_config": ["-O"]}
+_ALIASES = {
+    "tensor_parallel_size": ["-tp"],
+    "pipeline_parallel_size": ["-pp"],
+    "compilation_config": ["-O"],
+}
 
 
 def engine_flag_fields() -> list[tuple[str, Any]]:

@@ -59,6 +59,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None  # with stages; None: one per stage
     scheduling_policy: str = "continuous"
     async_scheduling: bool = True
     preemption_mode: str = "recompute"
@@ -120,10 +122,15 @@ class EngineArgs:
         dist = distributed_config(self.coordinator_address, self.num_processes, self.process_id)
         if dist is not None:
             initialize_distributed(dist)
-        parallel = ParallelConfig(self.tensor_parallel_size)
-        mesh = (
-            make_mesh(parallel.tensor_parallel_size) if parallel.tensor_parallel_size > 1 else None
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_micro_batches
         )
+        if parallel.pipeline_parallel_size > 1:
+            self._check_pipeline(speculative)
+        mesh = None
+        if parallel.world_size > 1:
+            tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+            mesh = make_mesh(tp, pipeline_parallel_size=pp)
         backend = _resolve_backend(self.attention_backend)
         offload = int(self.cpu_offload_gb * memory.GIB)
         loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization, offload)
@@ -182,6 +189,7 @@ class EngineArgs:
             num_host_blocks + num_tier_blocks,
             lookahead,
             draft,
+            parallel.pipeline_micro_batches,
         )
         runner.warm_up()
         tokenizer = load_tokenizer(self.tokenizer or self.model)
@@ -198,6 +206,21 @@ class EngineArgs:
             num_host_blocks,
             num_tier_blocks,
         )
+
+    def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:
+        """What pipeline stages do not support yet, named before anything loads."""
+        unsupported = {
+            "speculative decoding": speculative is not None,
+            "preemption_mode='swap'": self.preemption_mode == "swap",
+            "kv_offloading_size": self.kv_offloading_size > 0 and self.enable_prefix_caching,
+            "cpu_offload_gb": self.cpu_offload_gb > 0,
+        }
+        named = [what for what, used in unsupported.items() if used]
+        if named:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} does not support "
+                f"{', '.join(named)} yet"
+            )
 
     def _num_host_blocks(
         self,
@@ -247,6 +270,7 @@ class EngineArgs:
             return cache.num_gpu_blocks_override
         spec = loaded.spec
         per_block = _block_bytes(loaded, cache, self.tensor_parallel_size, draft)
+        per_block //= self.pipeline_parallel_size  # a device holds its stage's layers only
         stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:
             # Free device memory after the weights, less a margin for activations.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -29,7 +30,7 @@ from jvllm.models.quantization import (
     storage_dtype,
 )
 from jvllm.models.spec import ModelSpec
-from jvllm.parallel.mesh import AXIS, CACHE, HEADS
+from jvllm.parallel.mesh import CACHE, HEADS, pp_size, tp_size, vocab_axes
 
 _init = nn.initializers.normal(0.02)
 
@@ -116,10 +117,12 @@ class Attention(nn.Module):
             sliding_window=s.sliding_window,
         )
         if self.mesh is not None:
-            # Each device attends with its own heads and its slice of the cache.
+            # Each device attends with its own heads and its slice of the cache. Inside a
+            # pipeline stage (`pp` already manual) the split is over the context's mesh.
+            context = jax.sharding.get_abstract_mesh()
             attend = jax.shard_map(
                 attend,
-                mesh=self.mesh,
+                mesh=context if context.manual_axes else self.mesh,
                 in_specs=(HEADS, HEADS, HEADS, (CACHE, CACHE), P()),
                 out_specs=(HEADS, (CACHE, CACHE)),
                 check_vma=False,
@@ -235,10 +238,37 @@ class CausalLM(nn.Module):
         """Final-norm hidden states `[T, H]` of every token, and the updated caches."""
         return self.model(token_ids, positions, caches, meta)
 
+    def embed(self, token_ids: jax.Array) -> jax.Array:  # [...] -> [..., H]
+        return self.model.embed_tokens(token_ids)
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        return self.model.norm(x)
+
     def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
         if self.spec.tie_word_embeddings:
             return vocab_projection(hidden, self.model.embedding(), self.mesh)
         return self.lm_head(hidden)
+
+
+def stage_forward(
+    module: CausalLM,
+    layer_params: Sequence[Any],
+    caches: Sequence[KVCache],
+    x: jax.Array,
+    inputs: tuple[jax.Array, AttentionMetadata],
+) -> tuple[jax.Array, list[KVCache]]:
+    """One pipeline stage: the decoder layers whose parameters are `layer_params`
+    (`model.layers_j` trees) over `x` `[T, H]`; `inputs` are the micro-batch's
+    positions and attention metadata."""
+    s = module.spec
+    positions, meta = inputs
+    layer = DecoderLayer(s, module.dtype, module.backend, module.mesh)
+    cos_sin = rotary_cos_sin(positions, inverse_frequencies(s.rope, s.head_dim), module.dtype)
+    new_caches = []
+    for params, cache in zip(layer_params, caches, strict=True):
+        x, cache = layer.apply({"params": params}, x, cos_sin, cache, meta)
+        new_caches.append(cache)
+    return x, new_caches
 
 
 class LMHead(nn.Module):
@@ -259,14 +289,15 @@ def vocab_projection(hidden: jax.Array, weight: jax.Array, mesh: Mesh | None) ->
     project = functools.partial(jnp.einsum, "rh,vh->rv", preferred_element_type=jnp.float32)
     if mesh is None:
         return project(hidden, weight)
-    if weight.shape[0] % mesh.shape[AXIS] == 0:
+    axes = vocab_axes(weight.shape[0], tp_size(mesh), pp_size(mesh))
+    if axes:
         # Each device scores its slice of the vocabulary, so only the [R, V] logits cross
         # devices, never the [V, H] weight (which sharding propagation would gather).
         project = jax.shard_map(
             project,
             mesh=mesh,
-            in_specs=(P(), P(AXIS, None)),
-            out_specs=P(None, AXIS),
+            in_specs=(P(), P(axes, None)),
+            out_specs=P(None, axes),
             check_vma=False,
         )
     # Gather the logits once here, not inside every sampler op.

@@ -29,7 +29,7 @@ from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
 from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
-from jvllm.parallel.mesh import check_divisible, kv_replication
+from jvllm.parallel.mesh import check_divisible, check_stages, kv_replication, pp_size, tp_size
 
 _DTYPE_NAMES = {
     "float32": jnp.float32,
@@ -59,6 +59,14 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes of every parameter (all devices' shards together)."""
         return sum(int(x.nbytes) for x in jax.tree.leaves(self.params))
+
+    def bytes_per_device(self) -> dict[jax.Device, int]:
+        """Bytes of the parameter slices each local device holds."""
+        held: dict[jax.Device, int] = {}
+        for leaf in jax.tree.leaves(self.params):
+            for shard in leaf.addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + int(shard.data.nbytes)
+        return held
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -143,9 +151,16 @@ def load_model(
         dtype = orbax_checkpoint.saved_dtype(model_dir)
     target = resolve_dtype(dtype, spec)
     cls = model_class(spec.architecture)  # unsupported architectures fail before any I/O
-    tp = 1 if mesh is None else mesh.devices.size
+    tp, pp = tp_size(mesh), pp_size(mesh)
     if mesh is not None:
         check_divisible(spec, tp)
+        check_stages(spec.num_layers, pp)
+    if pp > 1 and (converted or offload_bytes):
+        what = "a `jvllm convert` output" if converted else "cpu_offload_gb"
+        raise ValueError(
+            f"pipeline_parallel_size={pp} loads safetensors checkpoints without offloading; "
+            f"{what} is not supported with pipeline stages"
+        )
     check_split(str(model_dir), spec, scheme, tp)
     built_spec = sharded_spec(spec, tp)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
@@ -212,14 +227,31 @@ def read_params(
     if isinstance(spec.quantization, PackedWeights):
         index = PackedCheckpoint(index, spec.quantization, wanted)
     host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
+    flat: dict[tuple[str, ...], jax.Array] = {}
+    used: set[str] = set()
+    pp = placer.pp if placer is not None else 1
+    per_stage = spec.num_layers // pp
+    # Pipeline stages: stage s's layer s * per_stage + j waits here until every stage's
+    # layer j has been read, then the group is placed as layer j's `[pp, ...]` array.
+    stage_groups: dict[tuple[str, ...], list[np.ndarray | None]] = {}
 
-    def place(path: tuple[str, ...], array: np.ndarray, dtype: jnp.dtype) -> jax.Array:
+    def place(path: tuple[str, ...], array: np.ndarray, dtype: jnp.dtype) -> None:
+        used.add(hf_name(path))
+        layer = _layer_index(path)
+        if placer is not None and pp > 1 and layer is not None:
+            local = (path[0], f"layers_{layer % per_stage}", *path[2:])
+            group = stage_groups.setdefault(local, [None] * pp)
+            group[layer // per_stage] = array
+            if all(a is not None for a in group):
+                flat[local] = placer.place_stacked(hf_name(local), group, dtype)
+                del stage_groups[local]
+            return
         kind = HOST_MEMORY if offloaded(path) else None
         if placer is not None:
-            return placer(hf_name(path), array, dtype, memory_kind=kind)
-        return jax.device_put(_convert(array, dtype), host if kind else None)
+            flat[path] = placer(hf_name(path), array, dtype, memory_kind=kind)
+        else:
+            flat[path] = jax.device_put(_convert(array, dtype), host if kind else None)
 
-    flat = {}
     for path, shaped in abstract.items():
         if path[-1] == "weight_scale" and isinstance(spec.quantization, str):
             continue  # quantized at load: made with its weight, below
@@ -239,9 +271,10 @@ def read_params(
         scale_path = (*path[:-1], "weight_scale")
         if path[-1] == "weight" and scale_path in abstract and isinstance(spec.quantization, str):
             array, scale = quantize(array, spec.quantization)  # on the host
-            flat[scale_path] = place(scale_path, scale, jnp.float32)
-        flat[path] = place(path, array, shaped.dtype)
-    _check_unused(model_dir, index.names() - {hf_name(p) for p in flat} - ignored, spec)
+            place(scale_path, scale, jnp.float32)
+        place(path, array, shaped.dtype)
+    assert not stage_groups, sorted(stage_groups)[:4]
+    _check_unused(model_dir, index.names() - used - ignored, spec)
     return _unflatten(flat)
 
 

@@ -1,4 +1,5 @@
-"""The tensor-parallel device mesh and the sharding rules of every parameter.
+"""The device mesh (`tp`, and `pp` stages before it) and the sharding rules of every
+parameter.
 
 Owns which axis of which tensor is split across the `tp` mesh axis (Megatron
 style): q/k/v and gate/up are column-parallel (split on output features, i.e.
@@ -9,6 +10,11 @@ device at the price of one all-gather of the logits. When a model has fewer KV
 heads than devices, each KV head is replicated `tp / num_kv_heads` times (as vLLM
 does), so every device still holds whole heads. A scale of a whole tensor (FP8
 per-tensor weight and static input scales) is replicated whichever way its layer splits.
+
+With pipeline parallelism the mesh is `pp x tp`: decoder layers are split into `pp`
+stages (see `jvllm.parallel.pipeline`), and the embedding and lm_head are vocab-parallel
+over all `pp * tp` devices when the vocabulary divides, so every device's share of the
+weights falls as 1 / (pp * tp).
 
 Imports go one way: `jvllm.models` imports this package, never the reverse, so the
 rules read a model's shapes through the `ModelShapes` protocol (`ModelSpec` fits it).
@@ -25,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "tp"
+PP_AXIS = "pp"
 
 # Activations and caches as seen by attention: heads on the tp axis.
 HEADS = P(None, AXIS, None)  # [T, H, D]
@@ -48,17 +55,54 @@ class ModelShapes(Protocol):
     def vocab_size(self) -> int: ...
 
 
-def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    tensor_parallel_size: int,
+    devices: Sequence[jax.Device] | None = None,
+    pipeline_parallel_size: int = 1,
+) -> Mesh:
+    """A `tp` mesh, or `pp x tp` with pipeline stages (stage s: devices s*tp..s*tp+tp-1)."""
     devices = list(jax.devices() if devices is None else devices)
-    if len(devices) < tensor_parallel_size:
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if len(devices) < tp * pp:
+        what = f"tensor_parallel_size={tp}"
+        if pp > 1:
+            what = f"pipeline_parallel_size={pp} x {what}"
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, "
-            f"but only {len(devices)} are visible ({devices[0].platform})"
+            f"{what} needs {tp * pp} devices, but only {len(devices)} are visible "
+            f"({devices[0].platform})"
         )
     # Auto axes: XLA's sharding propagation places the collectives (the all-reduce
     # after row-parallel layers, the gather from a vocab-parallel embedding).
-    chosen = np.array(devices[:tensor_parallel_size])
-    return Mesh(chosen, (AXIS,), axis_types=(AxisType.Auto,))
+    if pp == 1:
+        return Mesh(np.array(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+    chosen = np.array(devices[: tp * pp]).reshape(pp, tp)
+    return Mesh(chosen, (PP_AXIS, AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else int(mesh.shape[AXIS])
+
+
+def pp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else int(dict(mesh.shape).get(PP_AXIS, 1))
+
+
+def vocab_axes(vocab_size: int, tp: int, pp: int = 1) -> tuple[str, ...]:
+    """The mesh axes a vocabulary-sized axis is split over: every device when the
+    vocabulary divides `pp * tp`, else `tp` alone when it divides that, else none."""
+    if pp > 1 and vocab_size % (pp * tp) == 0:
+        return (PP_AXIS, AXIS)
+    if tp > 1 and vocab_size % tp == 0:
+        return (AXIS,)
+    return ()
+
+
+def check_stages(num_layers: int, pp: int) -> None:
+    if num_layers % pp:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} must divide num_hidden_layers={num_layers}: "
+            "every stage holds the same number of layers"
+        )
 
 
 def check_divisible(spec: ModelShapes, tp: int) -> None:
@@ -91,12 +135,16 @@ def is_per_tensor(name: str, shape: tuple[int, ...]) -> bool:
     return scale and int(np.prod(shape)) == 1 and len(shape) <= 1
 
 
-def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int) -> P:
-    """The PartitionSpec of one parameter of `shape`, by its Hugging Face name."""
+def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int, pp: int = 1) -> P:
+    """The PartitionSpec of one parameter of `shape`, by its Hugging Face name (one
+    layer's own; a pipeline stacks its layers' copies on a leading `pp` axis)."""
+    leaf = name.split(".")[-2] if shape else ""
+    if leaf in ("embed_tokens", "lm_head"):
+        axes = vocab_axes(spec.vocab_size, tp, pp)
+        return P(axes, None) if axes else P()
     if tp == 1 or is_per_tensor(name, shape):
         return P()
     ndim = len(shape)
-    leaf = name.split(".")[-2] if ndim else ""
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     # A packed layer's weight_g_idx [in] names each input's group: it follows the inputs.
     g_idx = name.endswith(".weight_g_idx")
@@ -112,13 +160,17 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
         # A row-parallel bias is added once; a [out, 1] scale per row (quantized
         # weights) applies whole to every input split.
         return P(None, AXIS) if ndim == 2 and shape[1] > 1 else P()
-    if leaf in ("embed_tokens", "lm_head") and spec.vocab_size % tp == 0:
-        return P(AXIS, None)
-    return P()  # norms, and a vocabulary that does not divide
+    return P()  # norms
 
 
 def cache_sharding(mesh: Mesh | None) -> NamedSharding | None:
-    return None if mesh is None else NamedSharding(mesh, CACHE)
+    """One KV layer's sharding: heads on `tp`; with stages, a leading `pp` axis."""
+    if mesh is None:
+        return None
+    if pp_size(mesh) == 1:
+        return NamedSharding(mesh, CACHE)
+    # Spelled as a program returns it: a size-1 tp axis is dropped from the spec.
+    return NamedSharding(mesh, P(PP_AXIS, *CACHE) if tp_size(mesh) > 1 else P(PP_AXIS))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.layers.attention import AttentionMetadata
+from jvllm.parallel.pipeline import split_rows
 
 
 class StepRow(Protocol):
@@ -46,16 +47,24 @@ class ModelInput:
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
     """The static sizes of one compiled step: padded tokens, rows, block-table width,
-    and logits rows (0: one per row; more with speculative decoding's draft tokens)."""
+    and logits rows (0: one per row; more with speculative decoding's draft tokens).
+    With pipeline stages the rows run as `num_micro` micro-batches of `micro` shape
+    (`num_tokens` = num_micro * micro tokens)."""
 
     num_tokens: int
     num_seqs: int
     width: int
     num_logits: int = 0
+    num_micro: int = 1
+    micro_seqs: int = 0
 
     @property
     def logits_rows(self) -> int:
         return self.num_logits or self.num_seqs
+
+    @property
+    def micro(self) -> BatchShape:
+        return BatchShape(self.num_tokens // self.num_micro, self.micro_seqs, self.width)
 
 
 def pow2_buckets(smallest: int, largest: int, ratio: int = 2) -> tuple[int, ...]:
@@ -154,12 +163,16 @@ def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -
     return out
 
 
+def _packed_sizes(shape: BatchShape) -> list[int]:
+    t, s, w = shape.num_tokens, shape.num_seqs, shape.width
+    return [t, t, t, s + 1, s, s * w, shape.logits_rows, t]
+
+
 def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> ModelInput:
     """Inverse of `pack_rows`, traced inside jit (static slices are free); placeholder
     tokens become the previous step's samples, `last_sampled` `[R]` int32."""
-    t, s, w = shape.num_tokens, shape.num_seqs, shape.width
-    sizes = [t, t, t, s + 1, s, s * w, shape.logits_rows, t]
-    parts = jnp.split(packed, np.cumsum(sizes)[:-1])
+    s, w = shape.num_seqs, shape.width
+    parts = jnp.split(packed, np.cumsum(_packed_sizes(shape))[:-1])
     tokens, positions, slots, qsl, seq_lens, tables, logits_indices, prev_index = parts
     tokens = jnp.where(prev_index >= 0, last_sampled[jnp.maximum(prev_index, 0)], tokens)
     return ModelInput(
@@ -168,3 +181,53 @@ def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> Mod
         attn=AttentionMetadata(slots, qsl, seq_lens, tables.reshape(s, w)),
         logits_indices=logits_indices,
     )
+
+
+def pack_micro_batches(
+    rows: Sequence[StepRow], shape: BatchShape, block_size: int
+) -> tuple[np.ndarray, list[int]]:
+    """A pipelined step's int32 metadata in one buffer (`unpack_micro_batches`'s order):
+    each micro-batch's `pack_rows` buffer, then where each token of the rows, in row
+    order, sits among the micro-batches' `[num_micro * micro tokens]`, then the logits
+    indices in row order. Also each micro-batch's token count."""
+    micro = shape.micro
+    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+    bounds = split_rows(lens, shape.num_micro)
+    parts, sizes, token_index = [], [], np.zeros(shape.num_tokens, np.int32)
+    offset = 0
+    for g in range(shape.num_micro):
+        group = rows[bounds[g] : bounds[g + 1]]
+        parts.append(pack_rows(group, micro, block_size))
+        n = int(lens[bounds[g] : bounds[g + 1]].sum())
+        token_index[offset : offset + n] = g * micro.num_tokens + np.arange(n)
+        offset += n
+        sizes.append(n)
+    qsl = np.concatenate([[0], np.cumsum(lens)])
+    logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
+    return np.concatenate([*parts, token_index, logits_indices]), sizes
+
+
+def micro_batch_tokens(rows: Sequence[StepRow], num_micro: int) -> int:
+    """The most tokens any micro-batch of `rows` gets (its bucket is the step's)."""
+    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+    cum = np.concatenate([[0], np.cumsum(lens)])
+    bounds = split_rows(lens, num_micro)
+    return int(np.max(cum[bounds[1:]] - cum[bounds[:-1]]))
+
+
+def unpack_micro_batches(
+    packed: jax.Array, shape: BatchShape, last_sampled: jax.Array
+) -> tuple[ModelInput, jax.Array, jax.Array]:
+    """Inverse of `pack_micro_batches`: the micro-batches' inputs stacked `[M, ...]`,
+    the token index `[T]` and the logits indices `[L]` (both in row order)."""
+    micro = shape.micro
+    size = sum(_packed_sizes(micro))
+    inputs = [
+        unpack(packed[g * size : (g + 1) * size], micro, last_sampled)
+        for g in range(shape.num_micro)
+    ]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *inputs)
+    rest = packed[shape.num_micro * size :]
+    token_index = rest[: shape.num_tokens]
+    logits_indices = rest[shape.num_tokens : shape.num_tokens + shape.logits_rows]
+    return stacked, token_index, logits_indices

@@ -22,6 +22,7 @@ speculative decoding (k draft tokens a row at most) the logits and sampler rows 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,17 +40,22 @@ from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
 from jvllm.models.eagle import EagleHead
+from jvllm.models.llama import stage_forward
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
-from jvllm.parallel.mesh import cache_sharding, replicated
+from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
+from jvllm.parallel.pipeline import run_pipeline, schedule_utilization
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
+    micro_batch_tokens,
+    pack_micro_batches,
     pack_rows,
     pick_bucket,
     pow2_buckets,
     token_buckets,
     unpack,
+    unpack_micro_batches,
 )
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -117,13 +123,27 @@ class ModelRunner:
         num_host_blocks: int = 0,
         num_lookahead_tokens: int = 0,
         draft: LoadedModel | None = None,
+        num_micro_batches: int | None = None,
     ) -> None:
         """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
         limits fix the buckets and the block-table width, and `num_lookahead_tokens`
         (speculative decoding's k) the logits rows a row may need beyond its one.
         `draft`: speculative decoding's draft model or EAGLE head, whose KV layers
-        follow the target's in `caches` (same blocks)."""
+        follow the target's in `caches` (same blocks). On a mesh with pipeline stages,
+        each step runs as `num_micro_batches` micro-batches (default: one per stage)."""
+        self.pp = pp_size(mesh)
+        if self.pp > 1 and (draft is not None or num_lookahead_tokens or num_host_blocks):
+            raise ValueError(
+                f"pipeline_parallel_size={self.pp} does not support speculative decoding, "
+                "swap preemption or the prefix cache's host tier yet"
+            )
+        self.num_micro = (num_micro_batches or self.pp) if self.pp > 1 else 1
+        if self.num_micro < 1:
+            raise ValueError(f"pipeline micro-batches must be >= 1, got {self.num_micro}")
+        # Pipelined steps: (busy, capacity) stage-token units of the schedules run so far
+        # (`pipeline.schedule_utilization`).
+        self.pipeline_load = [0.0, 0.0]
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
@@ -209,19 +229,25 @@ class ModelRunner:
         shape: BatchShape,
         draft_params: Any = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
-        inp = unpack(packed, shape, last_sampled)
         params = self._bring_in(params)
         module = self.model.module
         split = self.num_target_layers
-        hidden, target_caches = module.apply(
-            {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
-        )
+        if self.pp > 1:
+            hidden, token_ids, logits_indices, target_caches = self._pipeline_forward(
+                params, caches, packed, last_sampled, shape
+            )
+        else:
+            inp = unpack(packed, shape, last_sampled)
+            hidden, target_caches = module.apply(
+                {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
+            )
+            token_ids, logits_indices = inp.token_ids, inp.logits_indices
         draft_caches = caches[split:]
         if self.drafter is not None:
             draft_caches = self.drafter.write_kv(draft_params, params, draft_caches, inp, hidden)
-        last = hidden[inp.logits_indices]  # [S, H]
+        last = hidden[logits_indices]  # [S, H]
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
-        last_inputs = inp.token_ids[inp.logits_indices]  # [S]
+        last_inputs = token_ids[logits_indices]  # [S]
         features = None
         if isinstance(self.drafter, EagleDrafter):
             features = jnp.zeros((self.max_rows, last.shape[-1]), last.dtype)
@@ -229,6 +255,32 @@ class ModelRunner:
             if self.mesh is not None:
                 features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
+
+    def _pipeline_forward(
+        self,
+        params: Any,
+        caches: list[KVCache],
+        packed: jax.Array,
+        last_sampled: jax.Array,
+        shape: BatchShape,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, list[KVCache]]:
+        """The target's forward through the pipeline stages (`jvllm.parallel.pipeline`):
+        final-norm hidden states `[T, H]` and input tokens `[T]` in row order, the logits
+        indices, and the caches."""
+        assert self.mesh is not None
+        module = self.model.module
+        inp, token_index, logits_indices = unpack_micro_batches(packed, shape, last_sampled)
+        x = module.apply({"params": params}, inp.token_ids, method=module.embed)  # [M, Tm, H]
+        per_stage = self.spec.num_layers // self.pp
+        layers = [params["model"][f"layers_{j}"] for j in range(per_stage)]
+        busy = inp.attn.query_start_loc[:, -1] > 0  # [M]: an empty micro-batch skips
+        stage = functools.partial(stage_forward, module)
+        out, caches = run_pipeline(
+            stage, self.mesh, layers, caches, x, (inp.positions, inp.attn), busy
+        )
+        hidden = out.reshape(-1, out.shape[-1])[token_index]  # [T, H] in row order
+        hidden = module.apply({"params": params}, hidden, method=module.final_norm)
+        return hidden, inp.token_ids.reshape(-1)[token_index], logits_indices, caches
 
     def _bring_in(self, params: Any) -> Any:
         """The offloaded layers' weights copied from host memory into the step (XLA
@@ -295,11 +347,19 @@ class ModelRunner:
         return self._scatter_blocks(caches, dst, self._gather_blocks(caches, src))
 
     def _gather_blocks(self, caches: list[KVCache], ids: jax.Array) -> list[KVCache]:
-        return [(k[ids], v[ids]) for k, v in caches]  # [n, block_size, kv_heads, head_dim]
+        # [n, block_size, kv_heads, head_dim]; with stages, every stage's [pp, n, ...]
+        if self.pp > 1:
+            return [(k[:, ids], v[:, ids]) for k, v in caches]
+        return [(k[ids], v[ids]) for k, v in caches]
 
     def _scatter_blocks(
         self, caches: list[KVCache], ids: jax.Array, blocks: list[KVCache]
     ) -> list[KVCache]:
+        if self.pp > 1:
+            return [
+                (k.at[:, ids].set(bk), v.at[:, ids].set(bv))
+                for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
+            ]
         return [
             (k.at[ids].set(bk), v.at[ids].set(bv))
             for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
@@ -308,7 +368,11 @@ class ModelRunner:
     # -- host side --
 
     def _layer_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
-        """Each KV layer's K (and V) shape: the target's layers, then the draft's."""
+        """Each KV layer's K (and V) shape: the target's layers, then the draft's. With
+        pipeline stages, a stage's j-th layer and every other stage's are one array."""
+        if self.pp > 1:
+            shape = (self.pp, num_blocks, self.block_size, self.spec.num_kv_heads)
+            return [(*shape, self.spec.head_dim)] * (self.spec.num_layers // self.pp)
         specs = [self.spec] + ([self.drafter.model.spec] if self.drafter is not None else [])
         return [
             (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
@@ -404,7 +468,15 @@ class ModelRunner:
         # Multi-host: every process built the same host arrays; each places its copy.
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
-    def batch_shape(self, num_tokens: int) -> BatchShape:
+    def batch_shape(self, num_tokens: int, micro_tokens: int | None = None) -> BatchShape:
+        """The bucketed shape of a step of `num_tokens`; with pipeline stages, of
+        micro-batches of at most `micro_tokens` (default `num_tokens`) each."""
+        if self.pp > 1:
+            m = self.num_micro
+            most = num_tokens if micro_tokens is None else micro_tokens
+            tm = pick_bucket(most, self.token_buckets)
+            sm = min(tm, self.max_num_seqs)
+            return BatchShape(m * tm, min(m * sm, self.max_num_seqs), self.width, 0, m, sm)
         t = pick_bucket(num_tokens, self.token_buckets)
         rows = min(t, self.max_num_seqs)
         logits = min(t, self.max_num_seqs * (1 + self.num_lookahead_tokens))
@@ -413,8 +485,15 @@ class ModelRunner:
     def _run_forward(
         self, rows: Sequence[StepRow], shape: BatchShape | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
-        shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
-        packed = pack_rows(rows, shape, self.block_size)
+        if self.pp > 1:
+            shape = shape or self.batch_shape(0, micro_batch_tokens(rows, self.num_micro))
+            packed, sizes = pack_micro_batches(rows, shape, self.block_size)
+            busy, capacity = schedule_utilization(sizes, self.pp)
+            self.pipeline_load[0] += busy
+            self.pipeline_load[1] += capacity
+        else:
+            shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
+            packed = pack_rows(rows, shape, self.block_size)
         draft_params = self.drafter.model.params if self.drafter is not None else None
         logits, hidden, self.caches, last_input, features = self._forward_fn(
             self.model.params,
