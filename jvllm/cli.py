@@ -50,6 +50,11 @@ _HELP = {
     "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing from memory",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "tensor_parallel_size": "devices to shard each layer over",
+    "coordinator_address": "multi-host: host:port of process 0's jax.distributed coordinator "
+    "(or JVLLM_COORDINATOR_ADDRESS)",
+    "num_processes": "multi-host: processes in all (or JVLLM_NUM_PROCESSES)",
+    "process_id": "multi-host: this process's rank; 0 serves HTTP, the others follow its "
+    "steps (or JVLLM_PROCESS_ID)",
     "pipeline_parallel_size": "pipeline stages to split the layers into (each stage on "
     "tensor_parallel_size devices)",
     "pipeline_micro_batches": "micro-batches a step runs through the pipeline stages "
@@ -263,12 +268,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from jvllm.engine_args import EngineArgs
-    from jvllm.server.launch import run_server
+    from jvllm.parallel.distributed import distributed_config
+    from jvllm.server.launch import run_follower, run_server
 
     names = [name for name, _ in engine_flag_fields()] + [n.name for n in compat.no_ops(False)]
     options = {name: getattr(args, name) for name in names if name in args}
-    if options.get("coordinator_address") or options.get("num_processes"):
-        raise ValueError("the server runs on one host; multi-host runs the offline LLM API")
     model = args.model or args.model_option
     is_demo = model is None
     if is_demo:
@@ -286,8 +290,14 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         served = tuple(args.served_model_name or [model])
     engine_kwargs = compat.accept(model, options)
+    engine_args = EngineArgs(model=model, **engine_kwargs)
+    dist = distributed_config(
+        engine_args.coordinator_address, engine_args.num_processes, engine_args.process_id
+    )
+    if dist is not None and dist.process_id != 0:
+        return run_follower(engine_args)  # serves nothing: process 0 answers HTTP
     config = server_config(args, served)
-    return run_server(EngineArgs(model=model, **engine_kwargs), config, model, is_demo)
+    return run_server(engine_args, config, model, is_demo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

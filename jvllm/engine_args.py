@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
+from jvllm.parallel import step_channel
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
@@ -113,6 +114,28 @@ class EngineArgs:
         return SpeculativeConfig.from_dict(value) if value else None
 
     def create_engine(self) -> LLMEngine:
+        built = self._build()
+        runner, loaded, config = built.runner, built.loaded, built.config
+        tokenizer = load_tokenizer(self.tokenizer or self.model)
+        gen_dir = generation_config_dir(self.generation_config, self.model)
+        eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
+        return LLMEngine(
+            config,
+            tokenizer,
+            runner,
+            runner.num_blocks,
+            loaded.spec.vocab_size,
+            eos,
+            built.num_host_blocks,
+            built.num_tier_blocks,
+        )
+
+    def create_follower_runner(self) -> ModelRunner:
+        """A multi-host follower's side: the model runner alone, warmed up, no engine
+        (`ModelRunner.follow` runs the leader's programs)."""
+        return self._build().runner
+
+    def _build(self) -> _Built:
         _check_cpu_offload(self.cpu_offload_gb)
         speculative = self.speculative()
         enable_compilation_cache(self.compilation_cache_dir)
@@ -179,6 +202,18 @@ class EngineArgs:
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler, draft)
         num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler, draft)
+        if dist is not None and dist.num_processes > 1:
+            if num_host_blocks or num_tier_blocks:
+                raise ValueError(
+                    "multi-host runs keep the KV cache on the devices: preemption_mode='swap' "
+                    "and kv_offloading_size are single-host"
+                )
+            fingerprint = step_channel.start_fingerprint(vars(self), self.model)
+            client = step_channel.coordination_client()
+            num_blocks = step_channel.agree_on_start(
+                client, dist.process_id, dist.num_processes, fingerprint, num_blocks
+            )
+            step_channel.start_liveness(dist.process_id, dist.num_processes)
         lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         runner = ModelRunner(
             loaded,
@@ -192,20 +227,8 @@ class EngineArgs:
             parallel.pipeline_micro_batches,
         )
         runner.warm_up()
-        tokenizer = load_tokenizer(self.tokenizer or self.model)
         config = EngineConfig(model_config, cache, scheduler, parallel, speculative)
-        gen_dir = generation_config_dir(self.generation_config, self.model)
-        eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
-        return LLMEngine(
-            config,
-            tokenizer,
-            runner,
-            num_blocks,
-            loaded.spec.vocab_size,
-            eos,
-            num_host_blocks,
-            num_tier_blocks,
-        )
+        return _Built(runner, loaded, config, num_host_blocks, num_tier_blocks)
 
     def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:
         """What pipeline stages do not support yet, named before anything loads."""
@@ -293,6 +316,14 @@ class EngineArgs:
             cache.block_size,
         )
         return size.num_blocks
+
+
+class _Built(NamedTuple):
+    runner: ModelRunner
+    loaded: LoadedModel
+    config: EngineConfig
+    num_host_blocks: int
+    num_tier_blocks: int
 
 
 def _block_bytes(

@@ -7,12 +7,19 @@ the engine loop dies, in-flight requests get an error, /health answers 503 for a
 moment so that probes can see it, and the process exits 1. It hands ServerConfig's
 TLS and root path to uvicorn, and its CORS policy and stats line to the app. Argument
 parsing is `jvllm.cli`'s and `cli_args.py`'s; the routes are `app.py`'s.
+
+Multi-host (`--coordinator-address`, `--num-processes`, `--process-id`): process 0 runs
+all of the above and publishes every device program it launches; the other processes
+run `run_follower`, which replays them and serves nothing (`jvllm.parallel.step_channel`).
+A lost follower fails the leader's requests, turns /health to 503 and exits it with 1;
+a lost leader ends the followers with 1; a clean stop of the leader stops them with 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +31,7 @@ from starlette.types import ASGIApp
 from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S, AsyncLLM
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
+from jvllm.parallel import step_channel
 
 from .app import CORSPolicy, ServerState, build_app
 from .chat_template import load_chat_template
@@ -167,6 +175,11 @@ def run_server(
     )
     interval = stats_interval()
     engine = engine_args.create_engine()
+    liveness = step_channel.current_liveness()
+    publisher = None
+    if liveness is not None:  # the multi-host leader
+        publisher = step_channel.StepPublisher(step_channel.coordination_client())
+        engine.runner.publisher = publisher
     metrics = ServerMetrics()
     server: _DrainingServer | None = None
 
@@ -183,6 +196,8 @@ def run_server(
         grammar_compile_timeout=config.grammar_compile_timeout,
     )
     metrics.attach(async_llm.metrics)
+    if liveness is not None:
+        liveness.on_lost = async_llm.fail
     names = list(config.served_model_names) or [model_path]
     ctx = ServingContext(
         async_llm,
@@ -205,9 +220,35 @@ def run_server(
     server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
     _log_start(config, model_path, names)
     server.run()
-    if async_llm.is_dead:
-        return 1
-    return 0 if server.started else 1
+    code = 1 if async_llm.is_dead else 0 if server.started else 1
+    if liveness is not None and publisher is not None:
+        if not liveness.alive():
+            # A peer is gone: skip jax.distributed's exit barrier, which would wait for it.
+            logger.error("exiting: %s", liveness.lost)
+            logging.shutdown()
+            os._exit(code)
+        liveness.stop()
+        publisher.publish(step_channel.STOP)
+        logger.info("told the %d follower process(es) to stop", len(liveness.peers))
+    return code
+
+
+def run_follower(engine_args: EngineArgs) -> int:
+    """A multi-host follower: builds the same runner as process 0 and runs every device
+    program process 0 publishes, until it publishes stop (0) or is lost (exit 1)."""
+    runner = engine_args.create_follower_runner()
+    liveness = step_channel.current_liveness()
+    assert liveness is not None
+    subscriber = step_channel.StepSubscriber(step_channel.coordination_client(), liveness.alive)
+    logger.info("process %d: following process 0's steps", liveness.process_id)
+    try:
+        count = runner.follow(subscriber.receive)
+    except step_channel.PeerLost as e:
+        logger.error("%s", e)
+        step_channel.exit_on_loss(str(e))
+    liveness.stop()
+    logger.info("process 0 stopped; ran %d of its programs", count)
+    return 0
 
 
 def _log_start(config: ServerConfig, model_path: str, names: list[str]) -> None:

@@ -242,6 +242,14 @@ class AsyncLLM:
         except ValueError as e:
             raise InvalidRequestError(str(e), "structured_outputs") from None
 
+    def fail(self, reason: str) -> None:
+        """Declares the engine dead from outside its loop (a multi-host peer was lost):
+        in-flight requests fail with EngineDeadError, new ones are refused, /health
+        answers 503, and `on_dead` runs (any thread)."""
+        if self._dead is None:
+            self._dead = reason
+            self._call_on_loop(self._fail_all)
+
     def abort_all(self, reason: str) -> None:
         """Ends every in-flight request with RequestAbortedError(reason)."""
         for stream in list(self._streams.values()):

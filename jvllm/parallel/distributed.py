@@ -1,10 +1,12 @@
 """Multi-host start-up through `jax.distributed`.
 
-jvllm runs multi-host as SPMD with identical deterministic schedulers: every
-process runs the same program on the same requests (same seeds), so each builds
-the same step inputs on its own and no step data crosses hosts except the
-collectives inside the jitted step. Only the offline API works this way; the
-HTTP server is single-host.
+The offline API runs multi-host as SPMD with identical deterministic schedulers:
+every process runs the same program on the same requests (same seeds), so each
+builds the same step inputs on its own and no step data crosses hosts except the
+collectives inside the jitted step. `jvllm serve` instead schedules on process 0
+alone, which publishes each step's inputs to the others through the coordinator's
+key-value store (`jvllm.parallel.step_channel`). Either way every process checks at
+start-up that all were started with the same model and flags.
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ speculative decoding (k draft tokens a row at most) the logits and sampler rows 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ from jvllm.models.llama import stage_forward
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
 from jvllm.parallel.pipeline import run_pipeline, schedule_utilization
+from jvllm.parallel.step_channel import StepMessage, StepPublisher
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
@@ -144,6 +146,10 @@ class ModelRunner:
         # Pipelined steps: (busy, capacity) stage-token units of the schedules run so far
         # (`pipeline.schedule_utilization`).
         self.pipeline_load = [0.0, 0.0]
+        # Multi-host serving's leader: where each launch is published for the followers.
+        self.publisher: StepPublisher | None = None
+        # The last forward's logits, hidden states, last input tokens and shape.
+        self._last_forward: tuple[jax.Array, jax.Array, jax.Array, BatchShape] | None = None
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
@@ -494,6 +500,20 @@ class ModelRunner:
         else:
             shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
             packed = pack_rows(rows, shape, self.block_size)
+        self._launch_forward(packed, shape)
+        assert self._last_forward is not None
+        return self._last_forward
+
+    # -- launches: each device program that takes host inputs. A multi-host leader also
+    # publishes each (`publisher`), and its followers run the same (`follow`). --
+
+    def _publish(self, op: str, statics: dict[str, int], **arrays: np.ndarray | None) -> None:
+        if self.publisher is not None:
+            present = {k: v for k, v in arrays.items() if v is not None}
+            self.publisher.publish(StepMessage(op, statics, present))
+
+    def _launch_forward(self, packed: np.ndarray, shape: BatchShape) -> None:
+        self._publish("forward", dataclasses.asdict(shape), packed=packed)
         draft_params = self.drafter.model.params if self.drafter is not None else None
         logits, hidden, self.caches, last_input, features = self._forward_fn(
             self.model.params,
@@ -505,15 +525,79 @@ class ModelRunner:
         )
         if features is not None:
             self.features = features
-        return logits, hidden, last_input, shape
+        self._last_forward = (logits, hidden, last_input, shape)
+
+    def _launch_sample(
+        self,
+        md: sampler.SamplingMetadata,
+        bitmask: np.ndarray | None = None,
+        targets: np.ndarray | None = None,
+    ) -> tuple[sampler.SamplerOutput, tuple[jax.Array, ...] | None]:
+        """Samples the last forward's logits rows (masked by `bitmask` when given) and,
+        with `targets`, scores its every position (prompt logprobs)."""
+        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
+        self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
+        assert self._last_forward is not None
+        logits, hidden, last_input, _ = self._last_forward
+        if bitmask is not None:
+            logits = self._mask_fn(logits, self._put(bitmask))
+        out, self.last_sampled = self._sample_fn(
+            logits, self._put(md), last_input, self.draft_probs
+        )
+        scored = None
+        if targets is not None:
+            scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
+        return out, scored
+
+    def _launch_copy(self, pairs: np.ndarray) -> None:
+        self._publish("copy", {}, pairs=pairs)
+        src, dst = self._put(pairs)
+        self.caches = self._copy_fn(self.caches, src, dst)
+
+    def _launch_propose(self, inputs: ProposalInputs) -> jax.Array:
+        self._publish("propose", {}, **inputs._asdict())
+        assert self.drafter is not None
+        drafts, self.draft_probs, self.caches = self._propose_fn(
+            self.drafter.model.params,
+            self.model.params,
+            self.caches,
+            self._put(inputs),
+            self.features,
+        )
+        return drafts
+
+    def apply(self, message: StepMessage) -> None:
+        """Runs one program a multi-host leader published (on a follower)."""
+        a = message.arrays
+        if message.op == "forward":
+            self._launch_forward(a["packed"], BatchShape(**message.statics))
+        elif message.op == "sample":
+            names = [f.name for f in dataclasses.fields(sampler.SamplingMetadata)]
+            md = sampler.SamplingMetadata(**{name: a[name] for name in names})
+            self._launch_sample(md, a.get("bitmask"), a.get("targets"))
+        elif message.op == "copy":
+            self._launch_copy(a["pairs"])
+        elif message.op == "propose":
+            self._launch_propose(ProposalInputs(**a))
+        else:
+            raise ValueError(f"unknown step message {message.op!r}")
+
+    def follow(self, receive: Callable[[], StepMessage]) -> int:
+        """A follower's loop: runs the leader's programs in order until it says stop;
+        returns how many it ran."""
+        count = 0
+        while (message := receive()).op != "stop":
+            self.apply(message)
+            count += 1
+        jax.block_until_ready(self.caches)
+        return count
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: whole-block copies, applied before the step that needs them."""
         for lo in range(0, len(pairs), self.max_num_seqs):
             chunk = list(pairs[lo : lo + self.max_num_seqs])
             chunk += [(0, 0)] * (self.max_num_seqs - len(chunk))  # null-block no-ops
-            src, dst = self._put(np.array(chunk, np.int32).T)
-            self.caches = self._copy_fn(self.caches, src, dst)
+            self._launch_copy(np.array(chunk, np.int32).T)
 
     def dispatch(
         self,
@@ -530,24 +614,21 @@ class ModelRunner:
         rows and the bitmask (host work that overlaps the forward). A row verifying k
         draft tokens takes 1 + k consecutive sampling rows (and bitmask rows), one per
         position it scores."""
-        logits, hidden, last_input, shape = self._run_forward(rows)
+        _, _, _, shape = self._run_forward(rows)
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
         assert len(sampling_rows) == len(rows) + sum(r.num_spec_tokens for r in rows)
         md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows)
+        padded = None
         if token_bitmask is not None:
             padded = np.full((shape.logits_rows, token_bitmask.shape[1]), -1, np.int32)
             padded[: len(token_bitmask)] = token_bitmask
-            logits = self._mask_fn(logits, self._put(padded))
-        out, self.last_sampled = self._sample_fn(
-            logits, self._put(md), last_input, self.draft_probs
-        )
-        scored = None
+        targets = None
         if prompt_targets is not None:
             targets = np.zeros(shape.num_tokens, np.int32)  # [T]
             flat = [t for row in prompt_targets for t in row]
             targets[: len(flat)] = flat
-            scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
+        out, scored = self._launch_sample(md, padded, targets)
         lengths = tuple(len(r.token_ids) for r in rows)
         return PendingStep(out, scored, lengths, len(sampling_rows))
 
@@ -575,14 +656,7 @@ class ModelRunner:
             inputs.limits[i], inputs.seeds[i] = row.num_tokens, row.seed
             inputs.steps[i], inputs.temperature[i] = row.step_index, row.temperature
             inputs.feature_rows[i] = row.feature_row
-        drafts, self.draft_probs, self.caches = self._propose_fn(
-            self.drafter.model.params,
-            self.model.params,
-            self.caches,
-            self._put(inputs),
-            self.features,
-        )
-        host = np.asarray(drafts)
+        host = np.asarray(self._launch_propose(inputs))
         return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]
 
     def execute(

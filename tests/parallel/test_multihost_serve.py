@@ -1,0 +1,157 @@
+"""`jvllm serve` across two processes joined by jax.distributed (2 CPU devices each):
+the official openai client gets the single-process server's greedy texts, streaming
+included; a clean stop of the leader stops the follower; a killed follower turns the
+leader's /health to 503 and ends it with a non-zero status, and a killed leader ends
+the follower likewise; processes started with different flags refuse to start. Also
+the step messages' encoding."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from jvllm.parallel.step_channel import StepMessage, _first_difference
+from tests.server import ServerProcess, free_port
+
+ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+PROMPTS = ["hello world", "the quick brown fox", "one two three four five six", "a"]
+# Seconds: a follower is lost after 5 s without a heartbeat, and the leader exits 2 s
+# after its engine is declared dead.
+LOSS_DETECTED_S = 15
+LEADER_EXIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory, tokenizer_dir):
+    from jvllm.testing import make_checkpoint
+
+    path = tmp_path_factory.mktemp("mh") / "llama4"
+    return make_checkpoint("llama", path, tokenizer_dir, num_hidden_layers=4)
+
+
+def texts(url: str, model: str) -> tuple[list[str], list[str]]:
+    """Greedy completions of PROMPTS, then the same streamed (chunks joined)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+    whole, streamed = [], []
+    for prompt in PROMPTS:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        whole.append(out.choices[0].text)
+        chunks = client.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        streamed.append("".join(c.choices[0].text for c in chunks if c.choices))
+    return whole, streamed
+
+
+def start_pair(model: str, flags: list[str], follower_flags: list[str] | None = None):
+    address = f"127.0.0.1:{free_port()}"
+    procs = []
+    for rank, extra in enumerate([flags, follower_flags or flags]):
+        multihost = ["--coordinator-address", address, "--num-processes", "2"]
+        args = [model, *ENGINE, *extra, *multihost, "--process-id", str(rank)]
+        procs.append(ServerProcess(args, env=TWO_DEVICES))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def reference(deep):
+    server = ServerProcess([str(deep), *ENGINE], env={"JAX_PLATFORMS": "cpu"})
+    try:
+        return texts(server.wait_ready().url, str(deep))
+    finally:
+        server.stop()
+
+
+def test_pp2_tp2_over_two_processes_then_clean_stop(deep, reference):
+    leader, follower = start_pair(str(deep), ["-pp", "2", "-tp", "2"])
+    try:
+        leader.wait_ready(300)
+        assert texts(leader.url, str(deep)) == reference
+        assert follower.proc.poll() is None
+        leader.proc.send_signal(15)  # SIGTERM: drain, then tell the follower to stop
+        assert leader.wait_exit(60) == 0, leader.log()
+        assert follower.wait_exit(60) == 0, follower.log()
+        assert "ran " in follower.log() and "of its programs" in follower.log()
+    finally:
+        follower.stop()
+        leader.stop()
+
+
+def test_tp4_then_killed_follower_fails_the_leader(deep, reference):
+    leader, follower = start_pair(str(deep), ["-tp", "4"])
+    try:
+        leader.wait_ready(300)
+        whole, streamed = texts(leader.url, str(deep))
+        assert (whole, streamed) == reference
+        follower.proc.kill()
+        killed = time.monotonic()
+        status = 200
+        while status == 200 and time.monotonic() - killed < LOSS_DETECTED_S:
+            time.sleep(0.25)
+            try:
+                status = httpx.get(leader.url + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                status = -1  # gone before the probe saw 503
+        assert status == 503, (status, leader.log())
+        code = leader.wait_exit(LEADER_EXIT_S)
+        assert code not in (0, None), leader.log()
+        assert "sent no heartbeat" in leader.log()
+    finally:
+        follower.stop()
+        leader.stop()
+
+
+def test_killed_leader_ends_the_follower(deep):
+    leader, follower = start_pair(str(deep), ["-pp", "2", "-tp", "2"])
+    try:
+        leader.wait_ready(300)
+        leader.proc.kill()
+        code = follower.wait_exit(LEADER_EXIT_S)
+        assert code != 0, follower.log()
+    finally:
+        follower.stop()
+        leader.stop()
+
+
+def test_processes_with_different_flags_refuse_to_start(deep):
+    leader, follower = start_pair(str(deep), ["-tp", "4"], ["-tp", "4", "--max-num-seqs", "4"])
+    try:
+        for proc in (leader, follower):
+            assert proc.wait_exit(300) != 0
+        for proc in (leader, follower):
+            assert "disagree on engine_args.max_num_seqs" in proc.log(), proc.log()
+    finally:
+        follower.stop()
+        leader.stop()
+
+
+def test_step_message_round_trip():
+    arrays = {
+        "packed": np.arange(37, dtype=np.int32),
+        "temperature": np.array([0.0, 0.7], np.float32),
+        "seeds": np.array([1, 2**32 - 1], np.uint32),
+        "mask": np.array([True, False, True]),
+        "tables": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "empty": np.zeros((0, 5), np.int32),
+    }
+    message = StepMessage("forward", {"num_tokens": 64, "num_seqs": 8}, arrays)
+    back = StepMessage.decode(message.encode())
+    assert back.op == "forward" and back.statics == {"num_tokens": 64, "num_seqs": 8}
+    assert list(back.arrays) == list(arrays)
+    for name, array in arrays.items():
+        assert back.arrays[name].dtype == array.dtype
+        np.testing.assert_array_equal(back.arrays[name], array)
+    with pytest.raises(ValueError, match="stray bytes"):
+        StepMessage.decode(message.encode() + b"x")
+
+
+def test_first_difference_names_the_field():
+    a = {"engine_args": {"max_num_seqs": 8, "dtype": "auto"}, "config": "abc"}
+    b = {"engine_args": {"max_num_seqs": 4, "dtype": "auto"}, "config": "abc"}
+    assert _first_difference(a, a) is None
+    assert _first_difference(a, b) == ("engine_args.max_num_seqs", 8, 4)
