@@ -7,8 +7,10 @@ split on `tp` as without stages), and so is each KV layer `[pp, N, BS, Hkv, D]`.
 embedding and lm_head are vocab-parallel over all `pp * tp` devices, so they run on every
 stage at once rather than on the first and the last.
 
-One step is ONE jitted program. The step's rows are cut into M micro-batches (contiguous
-runs of rows with balanced token counts, each padded to the same bucket). Inside a
+One step is ONE jitted program. The step's tokens, in row order, are cut into M
+micro-batches of equal size (`input_batch.cut_rows`; a row across a cut becomes two
+pieces, the later one attending to the KV the earlier one wrote a tick before at
+every stage), each padded to the same bucket. Inside a
 `shard_map` that makes `pp` manual (`tp` stays automatic, so tensor parallelism inside
 a stage is unchanged), a loop of M + pp - 1 ticks runs the GPipe schedule: at tick i,
 stage s runs its layers on micro-batch i - s, and `ppermute` hands every stage's output
@@ -18,8 +20,7 @@ outputs reach every device in one `psum` over `pp`; the final norm and lm_head f
 outside the loop. With M = pp micro-batches each stage is busy M / (M + pp - 1) of the
 ticks (4 / 7 at pp = 4), against 1 / pp (1 / 4) with one batch in flight.
 
-Micro-batches of one step are disjoint sets of requests, so their KV writes never touch
-the same slots, and a stage runs them in order.
+Micro-batches of one step write disjoint KV slots, and a stage runs them in order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -100,19 +100,6 @@ def run_pipeline(
     # donated cache a copy, and the next call a second program.
     sharding = cache_sharding(mesh)
     return outputs, jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), caches)
-
-
-def split_rows(lengths: np.ndarray, parts: int) -> np.ndarray:
-    """Bounds `[parts + 1]` of `parts` contiguous runs of rows with about equal token
-    counts (a row is never split; a run may be empty). Row r goes to the run its
-    middle token falls in, so runs stay contiguous."""
-    lengths = np.asarray(lengths, np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(parts + 1, np.int64)
-    middles = np.cumsum(lengths) - lengths / 2
-    group = np.minimum((middles * parts // total).astype(np.int64), parts - 1)
-    return np.searchsorted(group, np.arange(parts + 1), side="left")
 
 
 def schedule_utilization(micro_tokens: Sequence[int], pp: int) -> tuple[float, float]:

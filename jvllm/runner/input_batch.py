@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jvllm.layers.attention import AttentionMetadata
-from jvllm.parallel.pipeline import split_rows
 
 
 class StepRow(Protocol):
@@ -183,36 +182,71 @@ def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> Mod
     )
 
 
+class RowPiece(NamedTuple):
+    """Part of a row's tokens that a cut between micro-batches made (a `StepRow`)."""
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    prev_step_row: int | None
+    num_spec_tokens: int
+
+
+def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
+    """The rows' tokens, in order, cut into `parts` runs of `micro_batch_tokens` tokens
+    (the last run shorter, or runs empty, when they do not divide). A row across a cut
+    becomes pieces, each starting where the one before ends: a later micro-batch's
+    piece attends to the earlier piece's KV, which every stage wrote a tick before."""
+    size = micro_batch_tokens(rows, parts)
+    groups: list[list[StepRow]] = [[] for _ in range(parts)]
+    g, room = 0, size
+    for row in rows:
+        ids, start = row.token_ids, row.start_position
+        if len(ids) <= room:  # the common case: the row fits whole
+            groups[g].append(row)
+            room -= len(ids)
+        else:
+            assert not row.num_spec_tokens, "draft tokens are never cut"
+            prev, done = row.prev_step_row, 0
+            while done < len(ids):
+                take = min(len(ids) - done, room)
+                piece = ids[done : done + take]
+                groups[g].append(RowPiece(piece, start + done, row.block_table, prev, 0))
+                prev, done, room = None, done + take, room - take
+                if room == 0 and done < len(ids):
+                    g, room = g + 1, size
+        if room == 0 and g < parts - 1:
+            g, room = g + 1, size
+    return groups
+
+
+def micro_batch_tokens(rows: Sequence[StepRow], parts: int) -> int:
+    """Tokens per micro-batch when `rows` are cut into `parts` (the step's bucket is
+    this size's)."""
+    total = sum(len(r.token_ids) for r in rows)
+    return -(-total // parts)
+
+
 def pack_micro_batches(
     rows: Sequence[StepRow], shape: BatchShape, block_size: int
 ) -> tuple[np.ndarray, list[int]]:
     """A pipelined step's int32 metadata in one buffer (`unpack_micro_batches`'s order):
-    each micro-batch's `pack_rows` buffer, then where each token of the rows, in row
-    order, sits among the micro-batches' `[num_micro * micro tokens]`, then the logits
-    indices in row order. Also each micro-batch's token count."""
+    each micro-batch's `pack_rows` buffer (`cut_rows`), then where each token of the
+    rows, in row order, sits among the micro-batches' `[num_micro * micro tokens]`,
+    then the logits indices in row order. Also each micro-batch's token count."""
     micro = shape.micro
-    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
-    bounds = split_rows(lens, shape.num_micro)
     parts, sizes, token_index = [], [], np.zeros(shape.num_tokens, np.int32)
     offset = 0
-    for g in range(shape.num_micro):
-        group = rows[bounds[g] : bounds[g + 1]]
+    for g, group in enumerate(cut_rows(rows, shape.num_micro)):
         parts.append(pack_rows(group, micro, block_size))
-        n = int(lens[bounds[g] : bounds[g + 1]].sum())
+        n = sum(len(r.token_ids) for r in group)
         token_index[offset : offset + n] = g * micro.num_tokens + np.arange(n)
         offset += n
         sizes.append(n)
+    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
     qsl = np.concatenate([[0], np.cumsum(lens)])
     logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
     return np.concatenate([*parts, token_index, logits_indices]), sizes
-
-
-def micro_batch_tokens(rows: Sequence[StepRow], num_micro: int) -> int:
-    """The most tokens any micro-batch of `rows` gets (its bucket is the step's)."""
-    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
-    cum = np.concatenate([[0], np.cumsum(lens)])
-    bounds = split_rows(lens, num_micro)
-    return int(np.max(cum[bounds[1:]] - cum[bounds[:-1]]))
 
 
 def unpack_micro_batches(

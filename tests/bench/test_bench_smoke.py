@@ -9,6 +9,7 @@ speed: CI machines vary too much for that.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,48 @@ def test_serve_against_jvllm_serve(tmp_path: Path) -> None:
             dist = run[key]
             assert 0 < dist["p50"] <= dist["p99"], (key, dist)
         assert run["e2el_ms"]["p50"] >= run["ttft_ms"]["p50"]
+
+
+def test_pipeline_tiny(tmp_path: Path) -> None:
+    """Micro-batches keep more of the stages busy than one batch in flight, and every
+    engine's greedy outputs agree."""
+    out = tmp_path / "pipeline.json"
+    # A subprocess: the script asks for its four host devices before JAX starts.
+    cmd = [
+        sys.executable, "bench/pipeline.py", "--num-requests", "8", "--prompt-len", "8,32",
+        "--output-len", "4,8", "--layers", "4", "--hidden-size", "64",
+        "--intermediate-size", "128", "--num-heads", "4", "--vocab-size", "512",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--rounds", "2",
+        "--models-dir", str(tmp_path / "models"), "--output", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage util" in proc.stdout
+
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python bench/pipeline.py --num-requests 8")
+    assert result["greedy_identical"] is True
+    runs = result["runs"]
+    assert set(runs) == {"pp4_m4", "pp4_m1", "pp1"}
+    output_tokens = result["workload"]["total_output_tokens"]
+    assert 8 * 4 <= output_tokens <= 8 * 8
+    for name, run in runs.items():
+        assert run["output_tokens"] == output_tokens
+        assert run["output_tokens_per_s"] * run["elapsed_s"] == pytest.approx(output_tokens)
+        assert len(run["elapsed_s_per_round"]) == 2
+        assert run["new_compilations"] == 0, name
+        # Steps ran every token the workload needs, plus their buckets' padding.
+        computed = result["workload"]["computed_tokens"]
+        assert run["step_tokens"] >= computed
+        assert run["padding_factor"] == pytest.approx(run["step_tokens"] / computed)
+    for name in ("pp4_m4", "pp4_m1"):
+        run = runs[name]
+        assert 0 < run["stage_utilisation"] <= run["schedule_bound"] <= 1
+        assert run["stage_utilisation"] == pytest.approx(run["stage_busy"] / run["stage_capacity"])
+    # One batch in flight keeps exactly one of the four stages busy at every tick.
+    assert runs["pp4_m1"]["stage_utilisation"] == pytest.approx(1 / 4)
+    assert runs["pp4_m4"]["stage_utilisation"] > runs["pp4_m1"]["stage_utilisation"]
+    # Busy: every computed token on each of the four stages, in each of the two rounds.
+    assert runs["pp4_m4"]["stage_busy"] == runs["pp4_m1"]["stage_busy"] == 4 * 2 * computed
+    assert runs["pp1"]["stage_utilisation"] is None

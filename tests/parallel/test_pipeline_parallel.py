@@ -13,8 +13,8 @@ from jvllm import LLM, SamplingParams
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.models.loader import load_model
 from jvllm.parallel.mesh import make_mesh
-from jvllm.parallel.pipeline import schedule_utilization, split_rows
-from jvllm.runner.input_batch import pack_micro_batches
+from jvllm.parallel.pipeline import schedule_utilization
+from jvllm.runner.input_batch import cut_rows, micro_batch_tokens, pack_micro_batches
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.testing import make_checkpoint
 from tests.models.test_forward import Row, assert_close, random_ids
@@ -180,24 +180,41 @@ def test_bad_configurations(deep, checkpoints):
         LLM(str(deep["llama"]), pipeline_parallel_size=0, **ENGINE)
 
 
-def test_split_rows_balances_tokens():
-    assert split_rows(np.ones(256, int), 4).tolist() == [0, 64, 128, 192, 256]
-    bounds = split_rows(np.array([100, 1, 1, 1, 1, 100]), 2)
-    assert bounds.tolist() == [0, 3, 6]
-    assert (
-        split_rows(np.array([500]), 4).tolist() == [0, 0, 0, 0, 1]
-        or split_rows(np.array([500]), 4)[-1] == 1
-    )
-    assert split_rows(np.zeros(0, int), 3).tolist() == [0, 0, 0, 0]
+def test_cut_rows_makes_equal_micro_batches():
+    """Random steps: every micro-batch but the last gets exactly ceil(T / M) tokens; each
+    row's pieces, in order, give back its tokens at consecutive positions; only a row's
+    first piece takes its token from the previous step."""
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        lens = rng.integers(1, 50, size=rng.integers(1, 40))
+    for _ in range(300):
+        rows = [
+            Row(
+                [int(t) for t in rng.integers(0, 99, size=rng.integers(1, 40))],
+                int(rng.integers(0, 50)),
+                [1, 2, 3],
+                int(rng.integers(0, 8)) if rng.random() < 0.5 else None,
+            )
+            for _ in range(rng.integers(1, 12))
+        ]
         parts = int(rng.integers(1, 6))
-        b = split_rows(lens, parts)
-        assert b[0] == 0 and b[-1] == len(lens) and (np.diff(b) >= 0).all()
-        sums = [lens[b[i] : b[i + 1]].sum() for i in range(parts)]
-        # No run exceeds its fair share by more than its largest row.
-        assert max(sums) <= lens.sum() / parts + lens.max()
+        groups = cut_rows(rows, parts)
+        total = sum(len(r.token_ids) for r in rows)
+        size = micro_batch_tokens(rows, parts)
+        counts = [sum(len(p.token_ids) for p in g) for g in groups]
+        expected = [max(0, min(size, total - g * size)) for g in range(parts)]
+        assert counts == expected
+        pieces = [p for g in groups for p in g]
+        i = 0
+        for row in rows:
+            tokens, position, first = [], row.start_position, True
+            while len(tokens) < len(row.token_ids):
+                piece = pieces[i]
+                assert piece.start_position == position
+                assert piece.prev_step_row == (row.prev_step_row if first else None)
+                tokens += list(piece.token_ids)
+                position += len(piece.token_ids)
+                first, i = False, i + 1
+            assert tokens == list(row.token_ids)
+        assert i == len(pieces)
 
 
 def test_schedule_utilization():
