@@ -24,7 +24,12 @@ from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
 from jvllm.models.packed_tensors import PackedCheckpoint
-from jvllm.models.quantization import PackedWeights, check_quantization, quantize
+from jvllm.models.quantization import (
+    PackedWeights,
+    check_quantization,
+    quantize,
+    with_fp8_matmul,
+)
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
@@ -113,9 +118,15 @@ def abstract_params(module: nn.Module, spec: ModelSpec) -> Params:
     return jax.eval_shape(init)["params"]
 
 
-def sharded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The spec the model is built with: KV heads replicated up to `tp` when fewer."""
-    return dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_replication(spec, tp))
+def sharded_spec(spec: ModelSpec, tp: int, device: jax.Device | None = None) -> ModelSpec:
+    """The spec the model is built with: KV heads replicated up to `tp` when fewer; on
+    `device`'s kind of hardware (FP8 matmuls on a GPU, `with_fp8_matmul`)."""
+    quantization = spec.quantization
+    if device is not None:
+        quantization = with_fp8_matmul(quantization, device)
+    return dataclasses.replace(
+        spec, num_kv_heads=spec.num_kv_heads * kv_replication(spec, tp), quantization=quantization
+    )
 
 
 def load_model(
@@ -162,7 +173,8 @@ def load_model(
             f"{what} is not supported with pipeline stages"
         )
     check_split(str(model_dir), spec, scheme, tp)
-    built_spec = sharded_spec(spec, tp)
+    device = jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]
+    built_spec = sharded_spec(spec, tp, device)
     module = cls(spec=built_spec, dtype=target, backend=attention_backend, mesh=mesh)
     abstract = abstract_params(module, built_spec)
     num_offloaded = offloaded_layer_count(abstract, offload_bytes, tp)

@@ -28,6 +28,7 @@ per-tile scales as stored; `block_float_weight` multiplies them out in the step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +106,23 @@ class FloatWeights:
 
     weight_strategy: str = "channel"
     activations: str | None = None
+    # Float8 inputs meet the float8 weights in a float8 matmul (`with_fp8_matmul`: on a
+    # GPU); otherwise both are cast up first, as compressed-tensors computes.
+    fp8_matmul: bool = False
 
     def __post_init__(self) -> None:
         assert self.weight_strategy in FLOAT_WEIGHT_STRATEGIES, self.weight_strategy
         assert self.activations in (None, *FLOAT_ACTIVATIONS.values()), self.activations
+
+
+def with_fp8_matmul(scheme: Any, device: jax.Device) -> Any:
+    """`scheme` as the model is built for `device`: FP8 W8A8 layers with float8 inputs
+    multiply in float8 on a GPU (XLA:GPU lowers a float8 dot to a float8 GEMM on Hopper
+    and casts up where the hardware has none); elsewhere they keep compressed-tensors'
+    cast-up arithmetic, which the CPU tests compare with Transformers exactly."""
+    if isinstance(scheme, FloatWeights) and scheme.activations and device.platform == "gpu":
+        return dataclasses.replace(scheme, fp8_matmul=True)
+    return scheme
 
 
 @dataclass(frozen=True)
@@ -120,41 +134,49 @@ class BlockFloatWeights:
     block: tuple[int, int]
 
 
-def fake_quantize_tokens(x: jax.Array) -> jax.Array:
-    """Each row of x rounded through float8 e4m3 at scale max|row| / 448 (what a
-    dynamic per-token FP8 activation quantizer computes before the matmul)."""
+def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of x as float8 e4m3 at scale max|row| / 448, and the scales `[..., 1]`
+    float32 (a dynamic per-token FP8 activation quantizer)."""
     qmax = _QMAX["fp8"]
     x32 = x.astype(jnp.float32)
     scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / qmax, 1e-12)
-    q = jnp.clip(x32 / scale, -qmax, qmax).astype(jnp.float8_e4m3fn)
-    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+    return jnp.clip(x32 / scale, -qmax, qmax).astype(jnp.float8_e4m3fn), scale
 
 
-def fake_quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x rounded through float8 e4m3 at one calibrated `scale` [1], values beyond
-    448 * scale clamped (what a static per-tensor FP8 input quantizer computes)."""
+def quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x as float8 e4m3 at one calibrated `scale` [1], values beyond 448 * scale clamped
+    (a static per-tensor FP8 input quantizer)."""
     qmax = _QMAX["fp8"]
-    scale = scale.astype(jnp.float32)
-    q = jnp.clip(x.astype(jnp.float32) / scale, -qmax, qmax).astype(jnp.float8_e4m3fn)
-    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -qmax, qmax).astype(jnp.float8_e4m3fn)
 
 
 def float_linear(
     module: nn.Module, q: FloatWeights, x: jax.Array, features: int, dtype: jnp.dtype
 ) -> jax.Array:
     """Declares an FP8 W8A8 layer's parameters on `module` and returns x @ W.T, the
-    inputs rounded through float8 first where `q` quantizes them."""
+    inputs rounded through float8 first where `q` quantizes them (per token, or at the
+    calibrated `input_scale`). With `q.fp8_matmul` both float8 operands go to the matmul
+    as they are, accumulated in float32 and scaled after; otherwise they are cast up to
+    `dtype` (scales applied) first."""
     zeros, ones = nn.initializers.zeros, nn.initializers.ones
     w = module.param("weight", zeros, (features, x.shape[-1]), jnp.float8_e4m3fn)
     if q.weight_strategy == "tensor":
-        scale = module.param("weight_scale", ones, (1,), jnp.float32).astype(dtype)
+        scale = module.param("weight_scale", ones, (1,), jnp.float32)
     else:
         scale = module.param("weight_scale", ones, (features, 1), dtype)[:, 0]  # [out]
+    if q.activations is None:
+        return jnp.einsum("...i,oi->...o", x, w.astype(dtype)) * scale.astype(dtype)
     if q.activations == "token":
-        x = fake_quantize_tokens(x)
-    elif q.activations == "tensor":
-        x = fake_quantize_static(x, module.param("input_scale", ones, (1,), jnp.float32))
-    return jnp.einsum("...i,oi->...o", x, w.astype(dtype)) * scale
+        xq, x_scale = quantize_tokens(x)
+    else:
+        x_scale = module.param("input_scale", ones, (1,), jnp.float32)
+        xq = quantize_static(x, x_scale)
+    if not q.fp8_matmul:
+        x = (xq.astype(jnp.float32) * x_scale).astype(x.dtype)
+        return jnp.einsum("...i,oi->...o", x, w.astype(dtype)) * scale.astype(dtype)
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(xq, w, contract, preferred_element_type=jnp.float32)
+    return (y * x_scale * scale.astype(jnp.float32)).astype(dtype)
 
 
 def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatWeights:

@@ -51,7 +51,7 @@ def abstract_model(
     """A LoadedModel whose params are ShapeDtypeStructs placed as `load_model` places them:
     on `device`, or on a mesh split by `partition_spec`."""
     tp = 1 if mesh is None else mesh.devices.size
-    built = sharded_spec(spec, tp)
+    built = sharded_spec(spec, tp, device)
     module = model_class(spec.architecture)(spec=built, dtype=dtype, backend=backend, mesh=mesh)
 
     def place(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

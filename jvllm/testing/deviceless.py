@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import topologies
 
 from jvllm.config import CacheConfig, SchedulerConfig
+from jvllm.layers.attention import AttentionMetadata
 from jvllm.models.loader import LoadedModel
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import make_mesh
@@ -253,6 +254,48 @@ def check_tensor_parallel(
 # 128 query rows keep a 128 x 128 fp32 accumulator per 128 threads (spills); 512-key tiles
 # need more shared memory than a block may have.
 BAD_LAUNCHES = {"spills": dict(block_m=128, num_splits=1), "smem": dict(tile_n=512, num_splits=1)}
+
+
+def check_fp8_matmul(spec: ModelSpec, target: Target, num_tokens: int = 64) -> dict[str, Any]:
+    """`spec` (FP8 W8A8: float8 weights, float8 inputs) built for one H200 as the loader
+    builds it there: the operand types of every dot in its compiled forward."""
+    device = target.devices()[0]
+    loaded = abstract_model(spec, jnp.bfloat16, "reference", None, device)
+    s, n = loaded.spec, num_tokens
+    blocks = -(-n // 16)
+    cache = jax.ShapeDtypeStruct((blocks + 1, 16, s.num_kv_heads, s.head_dim), jnp.bfloat16)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = AttentionMetadata(ints(n), ints(2), ints(1), ints(1, blocks))
+    inputs = ([(cache, cache)] * s.num_layers, ints(n), ints(n), meta)
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    inputs = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device), inputs
+    )
+    module = loaded.module
+
+    def forward(params: Any, caches: Any, tokens: Any, positions: Any, meta: Any) -> Any:
+        return module.apply({"params": params}, tokens, positions, caches, meta)
+
+    hlo = jax.jit(forward).lower(loaded.params, *inputs).compile().as_text()
+    return dict(
+        num_layers=s.num_layers, fp8_matmul=s.quantization.fp8_matmul, dots=dot_operand_types(hlo)
+    )
+
+
+def dot_operand_types(hlo: str) -> list[list[str | None]]:
+    """The element types of each dot's two operands, in compiled HLO text."""
+    dots, types = [], {}
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a new computation
+            types = {}
+        defined = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", line)
+        if defined is None:
+            continue
+        types[defined.group(1)] = defined.group(2)
+        dot = re.search(r" dot\(%([\w.-]+), %([\w.-]+)\)", line)
+        if dot is not None:
+            dots.append([types.get(dot.group(1)), types.get(dot.group(2))])
+    return dots
 
 
 def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, Any]]:

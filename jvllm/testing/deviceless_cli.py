@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.models.loader import read_config
+from jvllm.models.quantization import FloatWeights
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 from jvllm.testing.deviceless import (
     BAD_LAUNCHES,
@@ -33,6 +34,7 @@ from jvllm.testing.deviceless import (
     UTILIZATION,
     Target,
     check_bad_launch,
+    check_fp8_matmul,
     check_model,
     check_tensor_parallel,
     kv_cache_for,
@@ -75,6 +77,10 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
                 f"{arch} bfloat16 kv-fp8", spec, jnp.bfloat16, TINY, target, None, "fp8"
             )
             report["models"].append(fp8)
+    if "tiny" in sections:  # FP8 W8A8 projections: float8 dots on the H200
+        w8a8 = FloatWeights("channel", "token")
+        fp8_spec = dataclasses.replace(eight_b_spec(), num_layers=1, quantization=w8a8)
+        report["fp8_matmul"] = check_fp8_matmul(fp8_spec, target)
     tp_spec = dataclasses.replace(eight_b_spec(), num_layers=TP_LAYERS)
     for topology in args.tp if "tp" in sections else ():
         report["tensor_parallel"].append(
@@ -127,6 +133,10 @@ def summary(report: dict[str, Any]) -> str:
         )
     for name, kernels in report["bad_launches"].items():
         lines.append(f"  bad launch {name}: {[k['problems'] for k in kernels]}")
+    if "fp8_matmul" in report:
+        dots = report["fp8_matmul"]["dots"]
+        float8 = sum(d == ["f8e4m3fn", "f8e4m3fn"] for d in dots)
+        lines.append(f"  fp8 W8A8 8b layer: {float8} of {len(dots)} dots take float8 operands")
     return "\n".join(lines)
 
 

@@ -85,7 +85,8 @@ def _merge(parts: list[dict]) -> dict:
         report["tensor_parallel"] += part["tensor_parallel"]
         report["bad_launches"] |= part["bad_launches"]
     report["seconds"] = max(p["seconds"] for p in parts)
-    return report | {k: v for p in parts for k, v in p.items() if k == "throughput_8b_kv"}
+    kept = ("throughput_8b_kv", "fp8_matmul")
+    return report | {k: v for p in parts for k, v in p.items() if k in kept}
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,16 @@ def test_tensor_parallel_attention_runs_on_each_devices_heads(report):
             assert (q, k_cache, v_cache) == (t["expected_q"], *[t["expected_cache"]] * 2)
         assert t["weight_or_cache_moved"] == [], t["weight_or_cache_moved"][:4]
         assert {op for op, _ in t["collectives"]} <= {"all-reduce", "all-gather"}
+
+
+def test_fp8_w8a8_projections_multiply_in_float8(report):
+    """An 8B-shaped FP8 W8A8 layer (float8 weights per channel, float8 inputs per token)
+    as the loader builds it for a GPU: its projections are float8 x float8 dots, which
+    XLA:GPU runs as float8 GEMMs on Hopper. XLA merges the dots that share an input
+    (q/k/v, gate/up), so one layer has at least 4; no dot takes bf16 operands (the
+    cast-up arithmetic's), and the attention's are float32."""
+    fp8 = report["fp8_matmul"]
+    assert fp8["fp8_matmul"] is True
+    float8 = [d for d in fp8["dots"] if d == ["f8e4m3fn", "f8e4m3fn"]]
+    assert len(float8) >= 4 * fp8["num_layers"], fp8["dots"]
+    assert all(d in (["f8e4m3fn", "f8e4m3fn"], ["f32", "f32"]) for d in fp8["dots"]), fp8
