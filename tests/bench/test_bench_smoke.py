@@ -225,3 +225,49 @@ def test_pipeline_tiny(tmp_path: Path) -> None:
     # Busy: every computed token on each of the four stages, in each of the two rounds.
     assert runs["pp4_m4"]["stage_busy"] == runs["pp4_m1"]["stage_busy"] == 4 * 2 * computed
     assert runs["pp1"]["stage_utilisation"] is None
+
+
+def test_quant_formats_tiny(tmp_path: Path) -> None:
+    """One format of each kind (float, compressed-tensors, GPTQ, quantized at load): the
+    rates give back the tokens asked for and the byte figures agree with each other."""
+    import statistics
+
+    pytest.importorskip("compressed_tensors")
+    out = tmp_path / "quant.json"
+    formats = ["float32", "bfloat16", "ct-w4a16", "gptq-w4", "int8-load"]
+    cmd = [
+        sys.executable, "bench/quant_formats.py", "--preset", "tiny", "--num-prompts", "4",
+        "--rounds", "2", "--formats", ",".join(formats), "--models-dir", str(tmp_path / "models"),
+        "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median tok/s" in proc.stdout
+
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python bench/quant_formats.py --preset tiny")
+    runs = result["formats"]
+    assert list(runs) == formats
+    output_tokens = result["workload"]["total_output_tokens"]
+    for name, run in runs.items():
+        assert run["weight_bytes"] > 0 and run["linear_bytes"] > 0, name
+        assert 0 < run["max_device_weight_bytes"] <= run["weight_bytes"]
+        assert run["linear_bytes_over_bfloat16"] == pytest.approx(
+            run["linear_bytes"] / result["bfloat16_linear_bytes"]
+        )
+        rates = []
+        for timed in run["rounds"]:
+            assert timed["output_tokens"] == output_tokens
+            elapsed = timed["elapsed_s"]
+            assert timed["output_tokens_per_s"] * elapsed == pytest.approx(output_tokens, rel=1e-9)
+            rates.append(timed["output_tokens_per_s"])
+        assert len(rates) == 2
+        assert run["median_output_tokens_per_s"] == pytest.approx(statistics.median(rates))
+        assert run["new_compilations"] == 0, name
+        assert 0 <= run["identical_to_float32"] <= 1
+    assert runs["float32"]["identical_to_float32"] == 1.0
+    assert runs["float32"]["weight_bytes"] == 2 * runs["bfloat16"]["weight_bytes"]
+    ratio = {name: run["linear_bytes_over_bfloat16"] for name, run in runs.items()}
+    assert ratio["float32"] == 2.0 and ratio["bfloat16"] == 1.0
+    assert ratio["ct-w4a16"] < ratio["int8-load"] < ratio["bfloat16"] < ratio["float32"]
+    assert ratio["gptq-w4"] < ratio["int8-load"]
