@@ -16,6 +16,7 @@ from jvllm.parallel.mesh import make_mesh
 from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.runner.input_batch import cut_rows, micro_batch_tokens, pack_micro_batches
 from jvllm.runner.model_runner import ModelRunner
+from jvllm.sampling_params import BeamSearchParams
 from jvllm.testing import make_checkpoint
 from tests.models.test_forward import Row, assert_close, random_ids
 
@@ -77,6 +78,29 @@ def test_one_batch_in_flight_and_chunked_prefill(deep, reference):
     )
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference["llama"]
+
+
+def test_sampling_features_under_pipeline_stages(deep):
+    """Prompt logprobs (every position's hidden state, reordered from the micro-batches),
+    seeded sampling with n = 2 (forked blocks, copy-on-write), penalties and beam search
+    give one device's results at PP=2 x TP=2."""
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=10, ignore_eos=True,
+        prompt_logprobs=3, logprobs=2, repetition_penalty=1.2,
+    )  # fmt: skip
+    outs, beams = [], []
+    for tp, pp in ((1, 1), (2, 2)):
+        llm = LLM(str(deep["qwen3"]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+        outs.append(llm.generate(prompts()[:3], params, use_tqdm=False))
+        beams.append(llm.beam_search(prompts()[:2], BeamSearchParams(beam_width=3, max_tokens=6)))
+    for one, staged in zip(*outs, strict=True):
+        assert [c.token_ids for c in staged.outputs] == [c.token_ids for c in one.outputs]
+        for a, b in zip(staged.prompt_logprobs[1:], one.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+    for one, staged in zip(*beams, strict=True):
+        assert [b.tokens for b in staged.sequences] == [b.tokens for b in one.sequences]
 
 
 def runner_for(path, tp: int, pp: int) -> tuple[ModelRunner, object]:
