@@ -234,8 +234,6 @@ class EngineArgs:
         """What pipeline stages do not support yet, named before anything loads."""
         unsupported = {
             "speculative decoding": speculative is not None,
-            "preemption_mode='swap'": self.preemption_mode == "swap",
-            "kv_offloading_size": self.kv_offloading_size > 0 and self.enable_prefix_caching,
             "cpu_offload_gb": self.cpu_offload_gb > 0,
         }
         named = [what for what, used in unsupported.items() if used]
@@ -259,17 +257,19 @@ class EngineArgs:
         tier = cache.kv_offloading_size if cache.enable_prefix_caching else 0.0
         if not swap and not tier:
             return 0, 0
-        tp = self.tensor_parallel_size
-        needed = int((swap + tier) * memory.GIB) * tp
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        needed = int((swap + tier) * memory.GIB) * tp * pp
         available = memory.available_host_bytes()
         if needed > available:
             raise ValueError(
                 f"swap_space={swap} and kv_offloading_size={tier} GiB per device "
-                f"({needed / memory.GIB:.1f} GiB for {tp} device(s)) exceed the "
+                f"({needed / memory.GIB:.1f} GiB for {tp * pp} device(s)) exceed the "
                 f"{available / memory.GIB:.1f} GiB of host memory available; lower "
                 "--swap-space or --kv-offloading-size"
             )
-        per_block = _block_bytes(loaded, cache, tp, draft)
+        # One device's share of a block (its heads of its stage's layers); a host block
+        # holds every device's share, so swap_space GiB per device hold this many blocks.
+        per_block = _block_bytes(loaded, cache, tp, draft) // pp
         # No more than every sequence at full length could ever swap out.
         useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
         num_swap = min(memory.host_block_count(swap, per_block), useful)

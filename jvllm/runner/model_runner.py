@@ -135,10 +135,9 @@ class ModelRunner:
         follow the target's in `caches` (same blocks). On a mesh with pipeline stages,
         each step runs as `num_micro_batches` micro-batches (default: one per stage)."""
         self.pp = pp_size(mesh)
-        if self.pp > 1 and (draft is not None or num_lookahead_tokens or num_host_blocks):
+        if self.pp > 1 and (draft is not None or num_lookahead_tokens):
             raise ValueError(
-                f"pipeline_parallel_size={self.pp} does not support speculative decoding, "
-                "swap preemption or the prefix cache's host tier yet"
+                f"pipeline_parallel_size={self.pp} does not support speculative decoding yet"
             )
         self.num_micro = (num_micro_batches or self.pp) if self.pp > 1 else 1
         if self.num_micro < 1:
@@ -421,7 +420,11 @@ class ModelRunner:
         step's forward."""
         self._flush_swap_out()
         for host_ids, device_ids in self._swap_chunks(pairs):
-            blocks = [(k[host_ids], v[host_ids]) for k, v in self.host_caches]  # copies
+            # Copies; with stages, every stage's layer j in one [pp, n, ...] array.
+            if self.pp > 1:
+                blocks = [(k[:, host_ids], v[:, host_ids]) for k, v in self.host_caches]
+            else:
+                blocks = [(k[host_ids], v[host_ids]) for k, v in self.host_caches]
             self.caches = self._scatter_fn(self.caches, self._put(device_ids), self._put(blocks))
 
     def _flush_swap_out(self) -> None:
@@ -429,8 +432,12 @@ class ModelRunner:
         for host_ids, blocks in self._pending_swap_out:
             real = host_ids != 0
             for (hk, hv), (k, v) in zip(self.host_caches, blocks, strict=True):
-                hk[host_ids[real]] = np.asarray(k)[real]
-                hv[host_ids[real]] = np.asarray(v)[real]
+                if self.pp > 1:  # [pp, n, ...]: the block axis is the second
+                    hk[:, host_ids[real]] = np.asarray(k)[:, real]
+                    hv[:, host_ids[real]] = np.asarray(v)[:, real]
+                else:
+                    hk[host_ids[real]] = np.asarray(k)[real]
+                    hv[host_ids[real]] = np.asarray(v)[real]
         self._pending_swap_out.clear()
 
     def _swap_chunks(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:

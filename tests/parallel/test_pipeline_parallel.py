@@ -103,6 +103,39 @@ def test_sampling_features_under_pipeline_stages(deep):
         assert [b.tokens for b in staged.sequences] == [b.tokens for b in one.sequences]
 
 
+def test_swap_and_host_tier_under_pipeline_stages(deep):
+    """A starved cache at PP=2: swap preemption (seeded n = 3 siblings sharing a prefix)
+    and the prefix cache's host tier (a prefix evicted between its users) give one
+    device's tokens; blocks really went to the host and came back."""
+    rng = np.random.default_rng(9)
+    path = str(deep["llama"])
+    prefix = [int(t) for t in rng.integers(6, 500, size=70)]
+    batch = [{"prompt_token_ids": prefix + [int(t) for t in rng.integers(6, 500, 9 + i)]}
+             for i in range(6)]  # fmt: skip
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    want = LLM(path, **ENGINE).generate(batch, params, use_tqdm=False)
+    starved = dict(ENGINE, num_gpu_blocks_override=24, preemption_mode="swap")
+    llm = LLM(path, pipeline_parallel_size=2, **starved)
+    got = llm.generate(batch, params, use_tqdm=False)
+    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
+    assert tokens(got) == tokens(want)
+    assert llm.get_metrics()["num_swapped_out_blocks"] > 0
+
+    shared = prefix * 2
+    batches = []
+    for i in range(4):
+        batches.append([{"prompt_token_ids": shared + [7 + i]}])
+        batches.append([{"prompt_token_ids": [int(t) for t in rng.integers(6, 500, 230)]}])
+    runs = {}
+    for pp, tier in ((1, 0.0), (2, 0.001)):
+        llm = LLM(path, pipeline_parallel_size=pp, num_gpu_blocks_override=18,
+                  kv_offloading_size=tier, **ENGINE)  # fmt: skip
+        runs[pp] = [llm.generate(b, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+                    for b in batches]  # fmt: skip
+    assert runs[2] == runs[1]
+    assert llm.get_metrics()["prefix_cache_host_hits"] > 0
+
+
 def runner_for(path, tp: int, pp: int) -> tuple[ModelRunner, object]:
     mesh = make_mesh(tp, pipeline_parallel_size=pp) if tp * pp > 1 else None
     loaded = load_model(path, mesh=mesh)
