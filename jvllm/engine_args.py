@@ -233,7 +233,8 @@ class EngineArgs:
     def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:
         """What pipeline stages do not support yet, named before anything loads."""
         unsupported = {
-            "speculative decoding": speculative is not None,
+            "a draft model or an EAGLE head (n-gram speculation works)": speculative is not None
+            and speculative.method != "ngram",
             "cpu_offload_gb": self.cpu_offload_gb > 0,
         }
         named = [what for what, used in unsupported.items() if used]

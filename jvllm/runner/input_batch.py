@@ -63,7 +63,10 @@ class BatchShape:
 
     @property
     def micro(self) -> BatchShape:
-        return BatchShape(self.num_tokens // self.num_micro, self.micro_seqs, self.width)
+        """One micro-batch's shape (its own logits indices go unused: the step's, in row
+        order, pick the logits rows; with draft tokens there is room for any row's)."""
+        t = self.num_tokens // self.num_micro
+        return BatchShape(t, self.micro_seqs, self.width, t if self.num_logits else 0)
 
 
 def pow2_buckets(smallest: int, largest: int, ratio: int = 2) -> tuple[int, ...]:
@@ -206,7 +209,8 @@ def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
             groups[g].append(row)
             room -= len(ids)
         else:
-            assert not row.num_spec_tokens, "draft tokens are never cut"
+            # A piece's own logits indices go unused (the step's pick the row's last
+            # 1 + num_spec_tokens tokens, wherever the cut put them).
             prev, done = row.prev_step_row, 0
             while done < len(ids):
                 take = min(len(ids) - done, room)

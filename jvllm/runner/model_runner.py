@@ -135,9 +135,10 @@ class ModelRunner:
         follow the target's in `caches` (same blocks). On a mesh with pipeline stages,
         each step runs as `num_micro_batches` micro-batches (default: one per stage)."""
         self.pp = pp_size(mesh)
-        if self.pp > 1 and (draft is not None or num_lookahead_tokens):
+        if self.pp > 1 and draft is not None:
             raise ValueError(
-                f"pipeline_parallel_size={self.pp} does not support speculative decoding yet"
+                f"pipeline_parallel_size={self.pp} supports n-gram speculation only, not "
+                "a draft model or an EAGLE head yet"
             )
         self.num_micro = (num_micro_batches or self.pp) if self.pp > 1 else 1
         if self.num_micro < 1:
@@ -489,7 +490,10 @@ class ModelRunner:
             most = num_tokens if micro_tokens is None else micro_tokens
             tm = pick_bucket(most, self.token_buckets)
             sm = min(tm, self.max_num_seqs)
-            return BatchShape(m * tm, min(m * sm, self.max_num_seqs), self.width, 0, m, sm)
+            rows = min(m * sm, self.max_num_seqs)
+            k = self.num_lookahead_tokens
+            logits = min(m * tm, self.max_num_seqs * (1 + k)) if k else 0
+            return BatchShape(m * tm, rows, self.width, logits, m, sm)
         t = pick_bucket(num_tokens, self.token_buckets)
         rows = min(t, self.max_num_seqs)
         logits = min(t, self.max_num_seqs * (1 + self.num_lookahead_tokens))

@@ -136,6 +136,23 @@ def test_swap_and_host_tier_under_pipeline_stages(deep):
     assert llm.get_metrics()["prefix_cache_host_hits"] > 0
 
 
+def test_ngram_speculation_under_pipeline_stages(deep, reference):
+    """Rows of 1 + k tokens (cut across micro-batches like any row) verify n-gram drafts:
+    the greedy tokens of plain decoding on one device, with drafts accepted; a prompt
+    that repeats itself gives the drafts something to find."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1}  # fmt: skip
+    path = str(deep["llama"])
+    assert generate(path, 2, 2, speculative_config=ngram) == reference["llama"]
+    llm = LLM(path, pipeline_parallel_size=2, speculative_config=ngram, **ENGINE)
+    looping = [{"prompt_token_ids": [11, 12, 13, 14, 15] * 8}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, **ENGINE).generate(looping, params, use_tqdm=False)
+    spec = llm.generate(looping, params, use_tqdm=False)
+    assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
 def runner_for(path, tp: int, pp: int) -> tuple[ModelRunner, object]:
     mesh = make_mesh(tp, pipeline_parallel_size=pp) if tp * pp > 1 else None
     loaded = load_model(path, mesh=mesh)
@@ -226,11 +243,11 @@ def test_bad_configurations(deep, checkpoints):
         ValueError, match="pipeline_parallel_size=4 x tensor_parallel_size=4 needs 16"
     ):
         LLM(str(deep["llama"]), pipeline_parallel_size=4, tensor_parallel_size=4, **ENGINE)
-    with pytest.raises(ValueError, match="does not support speculative decoding"):
+    with pytest.raises(ValueError, match="does not support a draft model or an EAGLE head"):
         LLM(
             str(deep["llama"]),
             pipeline_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            speculative_config={"model": str(deep["qwen3"]), "num_speculative_tokens": 2},
             **ENGINE,
         )
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
