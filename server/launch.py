@@ -229,6 +229,7 @@ def run_server(
             os._exit(code)
         liveness.stop()
         publisher.publish(step_channel.STOP)
+        publisher.close()
         logger.info("told the %d follower process(es) to stop", len(liveness.peers))
     return code
 

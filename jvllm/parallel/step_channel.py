@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -99,18 +100,36 @@ STOP = StepMessage("stop")
 
 
 class StepPublisher:
-    """The leader's side: `publish(message)` in program order."""
+    """The leader's side: `publish(message)` in program order. The caller only encodes;
+    a thread of its own writes to the store (about 0.3 ms a message on localhost), so
+    the engine goes on to launch the program and prepare the next step meanwhile."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.sequence = 0
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="jvllm-publisher", daemon=True)
+        self._thread.start()
 
     def publish(self, message: StepMessage) -> None:
-        self.client.key_value_set_bytes(f"{PREFIX}/step/{self.sequence}", message.encode())
-        stale = self.sequence - KEEP_MESSAGES
-        if stale >= 0:
-            self.client.key_value_delete(f"{PREFIX}/step/{stale}")
-        self.sequence += 1
+        self._queue.put(message.encode())
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Writes what is queued, then stops the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.client.key_value_set_bytes(f"{PREFIX}/step/{self.sequence}", data)
+                stale = self.sequence - KEEP_MESSAGES
+                if stale >= 0:
+                    self.client.key_value_delete(f"{PREFIX}/step/{stale}")
+            except Exception as e:  # the store is gone: the liveness watch reports it
+                logger.error("multi-host: cannot publish step message %d: %s", self.sequence, e)
+                return
+            self.sequence += 1
 
 
 class StepSubscriber:
