@@ -1,6 +1,7 @@
 """`jvllm serve` across two processes joined by jax.distributed (2 CPU devices each):
 the official openai client gets the single-process server's greedy texts, streaming
-included; a clean stop of the leader stops the follower; a killed follower turns the
+included, and its seeded samples, logprobs, prompt logprobs and regex-constrained
+text; a clean stop of the leader stops the follower; a killed follower turns the
 leader's /health to 503 and ends it with a non-zero status, and a killed leader ends
 the follower likewise; processes started with different flags refuse to start. Also
 the step messages' encoding."""
@@ -48,6 +49,30 @@ def texts(url: str, model: str) -> tuple[list[str], list[str]]:
     return whole, streamed
 
 
+def extras(url: str, model: str) -> dict:
+    """Requests whose step messages carry more than tokens: seeded n = 2 with logprobs
+    (forked blocks, copy messages), echoed prompt logprobs (scoring targets), and a regex
+    (the token bitmask)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+    sampled = client.completions.create(
+        model=model, prompt="one two three", max_tokens=8, n=2, temperature=0.8, seed=5,
+        logprobs=2,
+    )  # fmt: skip
+    echoed = client.completions.create(
+        model=model, prompt="the quick brown fox", max_tokens=2, temperature=0, echo=True,
+        logprobs=1,
+    )  # fmt: skip
+    regex = client.completions.create(
+        model=model, prompt="pick:", max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[a-z]{2,6} [a-z]{2,6}"}},
+    )  # fmt: skip
+    return dict(
+        texts=[c.text for c in sampled.choices] + [echoed.choices[0].text, regex.choices[0].text],
+        logprobs=[lp for c in (*sampled.choices, echoed.choices[0])
+                  for lp in c.logprobs.token_logprobs if lp is not None],
+    )  # fmt: skip
+
+
 def start_pair(model: str, flags: list[str], follower_flags: list[str] | None = None):
     address = f"127.0.0.1:{free_port()}"
     procs = []
@@ -62,7 +87,8 @@ def start_pair(model: str, flags: list[str], follower_flags: list[str] | None = 
 def reference(deep):
     server = ServerProcess([str(deep), *ENGINE], env={"JAX_PLATFORMS": "cpu"})
     try:
-        return texts(server.wait_ready().url, str(deep))
+        url = server.wait_ready().url
+        return texts(url, str(deep)), extras(url, str(deep))
     finally:
         server.stop()
 
@@ -71,7 +97,10 @@ def test_pp2_tp2_over_two_processes_then_clean_stop(deep, reference):
     leader, follower = start_pair(str(deep), ["-pp", "2", "-tp", "2"])
     try:
         leader.wait_ready(300)
-        assert texts(leader.url, str(deep)) == reference
+        assert texts(leader.url, str(deep)) == reference[0]
+        got, want = extras(leader.url, str(deep)), reference[1]
+        assert got["texts"] == want["texts"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
         assert follower.proc.poll() is None
         leader.proc.send_signal(15)  # SIGTERM: drain, then tell the follower to stop
         assert leader.wait_exit(60) == 0, leader.log()
@@ -86,8 +115,7 @@ def test_tp4_then_killed_follower_fails_the_leader(deep, reference):
     leader, follower = start_pair(str(deep), ["-tp", "4"])
     try:
         leader.wait_ready(300)
-        whole, streamed = texts(leader.url, str(deep))
-        assert (whole, streamed) == reference
+        assert texts(leader.url, str(deep)) == reference[0]
         follower.proc.kill()
         killed = time.monotonic()
         status = 200
