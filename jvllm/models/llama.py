@@ -27,6 +27,7 @@ from jvllm.models.quantization import (
     PackedWeights,
     dequantized_weight,
     float_linear,
+    param,
     storage_dtype,
 )
 from jvllm.models.spec import ModelSpec
@@ -50,18 +51,19 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (self.features, x.shape[-1])
         if self.quantization is None:
-            y = jnp.einsum("...i,oi->...o", x, self.param("weight", _init, shape, self.dtype))
+            y = jnp.einsum("...i,oi->...o", x, param(self, "weight", _init, shape, self.dtype))
         elif isinstance(self.quantization, (PackedWeights, BlockFloatWeights)):
             w = dequantized_weight(self, self.quantization, self.features, x.shape[-1], self.dtype)
             y = jnp.einsum("...i,oi->...o", x, w)
         elif isinstance(self.quantization, FloatWeights):
             y = float_linear(self, self.quantization, x, self.features, self.dtype)
         else:
-            q = self.param("weight", nn.initializers.zeros, shape, storage_dtype(self.quantization))
-            scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
+            stored = storage_dtype(self.quantization)
+            q = param(self, "weight", nn.initializers.zeros, shape, stored)
+            scale = param(self, "weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
             y = jnp.einsum("...i,oi->...o", x, q.astype(self.dtype)) * scale.astype(self.dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+            y = y + param(self, "bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
 
 
@@ -71,7 +73,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        w = param(self, "weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         # Normalise in float32, cast back before the scale, as Transformers does.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -280,7 +282,7 @@ class LMHead(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
-        w = self.param("weight", _init, (self.vocab_size, hidden.shape[-1]), self.dtype)
+        w = param(self, "weight", _init, (self.vocab_size, hidden.shape[-1]), self.dtype)
         return vocab_projection(hidden, w, self.mesh)
 
 
