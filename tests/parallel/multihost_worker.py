@@ -1,4 +1,6 @@
-"""One process of the two-process tensor-parallel test (run by test_multihost.py)."""
+"""One process of the two-process tests (run by test_multihost.py): argv is the model,
+the coordinator address, this process's id, the output file, and optionally the
+tensor- and pipeline-parallel sizes (default 4 and 1)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from jvllm import LLM, SamplingParams
 
 def main() -> None:
     model, address, process_id, out_file = sys.argv[1:5]
+    tp, pp = (int(a) for a in sys.argv[5:7]) if len(sys.argv) > 5 else (4, 1)
     llm = LLM(
         model,
-        tensor_parallel_size=4,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         coordinator_address=address,
         num_processes=2,
         process_id=int(process_id),

@@ -1,4 +1,5 @@
-"""Two processes joined by jax.distributed (2 CPU devices each) run TP=4 like TP=1."""
+"""Two processes joined by jax.distributed (2 CPU devices each) run TP=4, and PP=2 x
+TP=2 (a stage on each process), like one device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jvllm import LLM, SamplingParams
 
@@ -22,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_tp4_match_single_device(checkpoints, tmp_path):
+@pytest.mark.parametrize("tp,pp", [(4, 1), (2, 2)])
+def test_two_processes_match_single_device(checkpoints, tmp_path, tp, pp):
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(6, 500, size=n)] for n in (5, 30, 70)]
     model = str(checkpoints["llama"])
@@ -35,7 +38,7 @@ def test_two_processes_tp4_match_single_device(checkpoints, tmp_path):
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), model, address, str(i), str(outs[i])],
+            [sys.executable, str(WORKER), model, address, str(i), str(outs[i]), str(tp), str(pp)],
             stdin=subprocess.PIPE,
             env=env,
             text=True,
