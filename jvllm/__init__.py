@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jvllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from jvllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,6 +22,7 @@ __all__ = [
     "SamplingParams",
     "BeamSearchParams",
     "StructuredOutputsParams",
+    "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
     "BeamSearchOutput",

@@ -40,3 +40,21 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, later: RequestOutput) -> None:
+        """Folds a later DELTA output of the same request into this one (a reader that
+        fell behind gets every new token once)."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index not in mine:
+                self.outputs.append(c)
+                continue
+            base = mine[c.index]
+            base.text += c.text
+            base.token_ids = [*base.token_ids, *c.token_ids]
+            if base.logprobs is not None and c.logprobs is not None:
+                base.logprobs = [*base.logprobs, *c.logprobs]
+            base.cumulative_logprob = c.cumulative_logprob
+            base.finish_reason, base.stop_reason = c.finish_reason, c.stop_reason
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.finished = later.finished

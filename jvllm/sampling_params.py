@@ -7,6 +7,7 @@ Checks that need the model (vocabulary size, context length) live in the engine.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json as jsonlib
 import math
@@ -75,6 +76,17 @@ class StructuredOutputsParams:
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs holds (vLLM's): everything so far (CUMULATIVE),
+    what is new since the last output (DELTA: new token ids, logprobs and text, text
+    that could still turn out to start a stop string held back until it cannot), or
+    only the finished result (FINAL_ONLY: one output per request)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters, validated on construction."""
@@ -106,6 +118,7 @@ class SamplingParams:
     # ends with the rest of it (with and without a leading space, as vLLM tokenizes it).
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +184,9 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate_biases(bad)
 
     def _validate_biases(self, bad: Callable[[str, str], ValueError]) -> None:

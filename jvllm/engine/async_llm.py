@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jvllm.async_llm")
 
@@ -102,6 +102,7 @@ class _Timing:
     scheduled: bool = False
     last_token: float | None = None
     num_tokens: int = 0
+    delta: bool = False  # RequestOutputKind.DELTA: each output carries only new tokens
 
 
 class RequestStream:
@@ -109,8 +110,11 @@ class RequestStream:
 
     Lives on the event loop: only loop code touches it."""
 
-    def __init__(self, request_id: str, on_close: Callable[[RequestStream], None]) -> None:
+    def __init__(
+        self, request_id: str, on_close: Callable[[RequestStream], None], delta: bool = False
+    ) -> None:
         self.request_id = request_id
+        self.delta = delta  # DELTA outputs not read yet are folded together, not replaced
         self.queued = True  # not scheduled yet: counts against max_queued_requests
         self._on_close = on_close
         self._latest: RequestOutput | None = None
@@ -123,7 +127,10 @@ class RequestStream:
         return self._done
 
     def _put(self, output: RequestOutput) -> None:
-        self._latest = output
+        if self.delta and self._latest is not None:
+            self._latest.add(output)
+        else:
+            self._latest = output
         self._event.set()
 
     def _fail(self, error: Exception) -> None:
@@ -212,7 +219,8 @@ class AsyncLLM:
         spec = getattr(params, "structured_outputs", None)
         if spec is not None:
             await self._compile(spec)
-        stream = RequestStream(request_id, self._close_stream)
+        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        stream = RequestStream(request_id, self._close_stream, delta)
         self._streams[request_id] = stream
         self._num_queued += 1
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -362,7 +370,8 @@ class AsyncLLM:
             except TypeError as e:
                 command.done.set_exception(ValueError(str(e)))
                 continue
-            self._timings[command.request_id] = _Timing(command.arrival)
+            delta = getattr(command.params, "output_kind", None) == RequestOutputKind.DELTA
+            self._timings[command.request_id] = _Timing(command.arrival, delta=delta)
             command.done.set_result(None)
         return True
 
@@ -384,6 +393,8 @@ class AsyncLLM:
             timing.scheduled = True
             observe(QUEUE_TIME, step_start - timing.arrival)
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if timing.delta:
+            num_tokens += timing.num_tokens  # a delta's tokens come on top of earlier ones
         if num_tokens > timing.num_tokens:
             if timing.last_token is None:
                 observe(TTFT, now - timing.arrival)

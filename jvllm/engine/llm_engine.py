@@ -239,8 +239,8 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedules and dispatches one device step, commits the step before it (or,
         without async scheduling, this one), and returns the outputs of every request
-        that progressed (cumulative, like vLLM's default output kind), or with
-        `final_only` just those that finished (offline use: no per-step copies)."""
+        that progressed, as its `output_kind` asks (cumulative by default, as vLLM's),
+        or with `final_only` just those that finished, whole (offline use)."""
         outputs, self._finished_outputs = self._finished_outputs, []
         sched = self.scheduler.schedule()
         for request_id in sched.preempted_request_ids:
@@ -352,9 +352,9 @@ class LLMEngine:
         outputs = [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
             if group.finished:
-                outputs.append(self._retire(group))
-            elif not final_only:
-                outputs.append(group.output())
+                outputs.append(self._retire(group, final_only))
+            elif not final_only and (out := group.output()) is not None:
+                outputs.append(out)  # None: FINAL_ONLY, or a DELTA with nothing new
         return outputs
 
     def _verify(
@@ -450,7 +450,7 @@ class LLMEngine:
         state.finish(status, stop_reason)
         self.scheduler.finish_request(state.request.request_id, status)
 
-    def _retire(self, group: SequenceGroup) -> RequestOutput:
+    def _retire(self, group: SequenceGroup, final_only: bool = False) -> RequestOutput:
         del self._groups[group.request_id]
         for child_id in group.child_ids:
             self._seqs.pop(child_id, None)
@@ -458,7 +458,9 @@ class LLMEngine:
                 self.speculator.forget(child_id)
             self._masked.discard(child_id)
             self._late.discard(child_id)
-        return group.output()
+        out = group.output(final_only)
+        assert out is not None  # a finished group always has its last output
+        return out
 
     # -- metrics --
 

@@ -18,7 +18,7 @@ from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduler import ScheduledRequest
 from jvllm.engine.token_constraints import Constraints
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from jvllm.sampling_params import SamplingParams, SamplingRow
+from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
 
 
 class SequenceState:
@@ -55,6 +55,10 @@ class SequenceState:
         self.finished_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
         self.constraints = constraints or Constraints()
+        # DELTA outputs: how much of the tokens and text earlier outputs carried; text
+        # that could still start a stop string waits (the engine cuts a matched one).
+        self.sent_tokens = self.sent_chars = 0
+        self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
 
     @property
     def finished(self) -> bool:
@@ -163,14 +167,33 @@ class SequenceState:
     def _decode(self, token: int) -> str:
         return self._decode_ids([token], False)
 
+    def delta(self) -> CompletionOutput:
+        """What is new since the last delta (RequestOutputKind.DELTA)."""
+        text, tokens = self.detok.output_text, self.request.output_token_ids
+        visible = len(text) if self.finished else max(self.sent_chars, len(text) - self.holdback)
+        start = self.sent_tokens
+        out = CompletionOutput(
+            index=self.index,
+            text=text[self.sent_chars : visible],
+            token_ids=tokens[start:],
+            cumulative_logprob=self._cumulative_logprob(),
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            finish_reason=self.finished_status.finish_reason if self.finished_status else None,
+            stop_reason=self.stop_reason,
+        )
+        self.sent_chars, self.sent_tokens = visible, len(tokens)
+        return out
+
+    def _cumulative_logprob(self) -> float | None:
+        finite = self.logprobs is not None and math.isfinite(self.cumulative_logprob)
+        return self.cumulative_logprob if finite else None
+
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
             text=self.detok.output_text,
             token_ids=list(self.request.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob
-            if self.logprobs is not None and math.isfinite(self.cumulative_logprob)
-            else None,
+            cumulative_logprob=self._cumulative_logprob(),
             logprobs=self.logprobs,
             finish_reason=self.finished_status.finish_reason if self.finished_status else None,
             stop_reason=self.stop_reason,
@@ -185,6 +208,7 @@ class SequenceGroup:
     params: SamplingParams
     arrival_time: float
     children: list[SequenceState] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False  # DELTA: the first output carried them
 
     @property
     def child_ids(self) -> list[str]:
@@ -195,16 +219,39 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(child.finished_status is not None for child in self.children)
+        children = self.children
+        if len(children) == 1:  # the common case, checked per request and step
+            return children[0].finished_status is not None
+        return all(child.finished_status is not None for child in children)
 
-    def output(self) -> RequestOutput:
+    def output(self, final_only: bool = False) -> RequestOutput | None:
+        """This step's output for the request's `output_kind`: everything so far, what is
+        new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
+        `final_only` (the offline API) the whole result, once finished."""
+        kind, finished = self.params.output_kind, self.finished
+        if (final_only or kind == RequestOutputKind.FINAL_ONLY) and not finished:
+            return None
         first = self.children[0]
+        prompt_logprobs = first.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and not final_only:
+            if not finished and all(
+                c.sent_tokens == len(c.request.output_token_ids) for c in self.children
+            ):
+                return None
+            completions = [c.delta() for c in self.children]
+            # Prompt logprobs go with the first output only.
+            prompt_logprobs, self.sent_prompt_logprobs = (
+                (None if self.sent_prompt_logprobs else prompt_logprobs),
+                True,
+            )
+        else:
+            completions = [c.completion() for c in self.children]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
-            outputs=[c.completion() for c in self.children],
-            finished=self.finished,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
             num_cached_tokens=first.request.num_cached_tokens or 0,
         )
