@@ -36,7 +36,7 @@ from jvllm.engine.scheduler import Scheduler
 from jvllm.layers.sampler import make_sampling_metadata
 from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET, StepResult
-from jvllm.sampling_params import SamplingParams, SamplingRow
+from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
 from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
@@ -52,6 +52,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--output-kind",
+        choices=[k.name.lower() for k in RequestOutputKind],
+        default="cumulative",
+        help="what each step's RequestOutput holds (SamplingParams.output_kind)",
+    )
     p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "host_overhead.json")
     args = p.parse_args(argv)
     try:
@@ -164,13 +170,14 @@ class _Done(NamedTuple):
 
 
 def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
+    params = _GREEDY.clone(output_kind=RequestOutputKind[setup.args.output_kind.upper()])
     cfg = EngineConfig(
         ModelConfig("host-overhead"), setup.cache_config, setup.scheduler_config, ParallelConfig()
     )
     runner = NoDeviceRunner(setup)
     engine = LLMEngine(cfg, tokenizer, runner, setup.num_blocks, setup.args.vocab_size, [1])
     for i, prompt in enumerate(setup.prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, _GREEDY)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
