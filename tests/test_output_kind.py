@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 
 import pytest
 
 from jvllm import LLM, RequestOutputKind, SamplingParams
-from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.async_llm import E2E, AsyncLLM
 from jvllm.outputs import RequestOutput
 from tests.test_llm import prompts
 
@@ -118,8 +119,19 @@ def test_a_slow_reader_gets_folded_deltas(checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)[0]
 
+    class Finish:
+        """Told by the engine thread when the request's last output is made."""
+
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def observe(self, name: str, seconds: float) -> None:
+            if name == E2E:
+                self.done.set()
+
     async def read_slowly() -> tuple[RequestOutput, int]:
-        engine = AsyncLLM(llm.engine)
+        finish = Finish()
+        engine = AsyncLLM(llm.engine, observer=finish)
         engine.start()
         try:
             delta = params.clone(output_kind=RequestOutputKind.DELTA)
@@ -129,16 +141,19 @@ def test_a_slow_reader_gets_folded_deltas(checkpoints):
                 reads += 1
                 if folded is None:
                     folded = copy.deepcopy(out)
+                    # Read nothing more until the request is done: every later delta
+                    # piles up in the stream meanwhile.
+                    assert await asyncio.to_thread(finish.done.wait, 120)
                 else:
                     folded.add(out)
-                await asyncio.sleep(0.05)  # several steps' deltas pile up meanwhile
             return folded, reads
         finally:
             await engine.shutdown()
 
     folded, reads = asyncio.run(read_slowly())
     assert summary(folded) == summary(want)
-    assert reads < len(want.outputs[0].token_ids)  # some reads took several deltas
+    # The first read, then the rest folded (the final delta may come on its own).
+    assert reads <= 3 < len(want.outputs[0].token_ids)
 
 
 def test_bad_output_kind_is_refused():

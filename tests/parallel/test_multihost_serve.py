@@ -8,8 +8,6 @@ the step messages' encoding."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import numpy as np
 import openai
@@ -22,7 +20,7 @@ ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-to
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
 PROMPTS = ["hello world", "the quick brown fox", "one two three four five six", "a"]
 # Seconds: a follower is lost after 5 s without a heartbeat, and the leader exits 2 s
-# after its engine is declared dead.
+# after its engine is declared dead (bounds for a loaded machine, not the figures).
 LOSS_DETECTED_S = 15
 LEADER_EXIT_S = 30
 
@@ -117,15 +115,9 @@ def test_tp4_then_killed_follower_fails_the_leader(deep, reference):
         leader.wait_ready(300)
         assert texts(leader.url, str(deep)) == reference[0]
         follower.proc.kill()
-        killed = time.monotonic()
-        status = 200
-        while status == 200 and time.monotonic() - killed < LOSS_DETECTED_S:
-            time.sleep(0.25)
-            try:
-                status = httpx.get(leader.url + "/health", timeout=2).status_code
-            except httpx.HTTPError:
-                status = -1  # gone before the probe saw 503
-        assert status == 503, (status, leader.log())
+        # Logged once the engine is declared dead; the server answers 503 for 2 s more.
+        assert leader.wait_for_log("the engine loop died", LOSS_DETECTED_S), leader.log()
+        assert httpx.get(leader.url + "/health", timeout=2).status_code == 503
         code = leader.wait_exit(LEADER_EXIT_S)
         assert code not in (0, None), leader.log()
         assert "sent no heartbeat" in leader.log()
