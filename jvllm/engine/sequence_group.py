@@ -239,11 +239,9 @@ class SequenceGroup:
             ):
                 return None
             completions = [c.delta() for c in self.children]
-            # Prompt logprobs go with the first output only.
-            prompt_logprobs, self.sent_prompt_logprobs = (
-                (None if self.sent_prompt_logprobs else prompt_logprobs),
-                True,
-            )
+            if self.sent_prompt_logprobs:  # they go with the first output only
+                prompt_logprobs = None
+            self.sent_prompt_logprobs = True
         else:
             completions = [c.completion() for c in self.children]
         return RequestOutput(

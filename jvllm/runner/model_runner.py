@@ -352,22 +352,21 @@ class ModelRunner:
     def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
         return self._scatter_blocks(caches, dst, self._gather_blocks(caches, src))
 
+    def _blocks(self, ids: Any) -> Any:
+        """An index of blocks `ids` into a KV layer: its first axis, or with pipeline
+        stages ([pp, blocks, ...]) its second, every stage's."""
+        return (slice(None), ids) if self.pp > 1 else ids
+
     def _gather_blocks(self, caches: list[KVCache], ids: jax.Array) -> list[KVCache]:
-        # [n, block_size, kv_heads, head_dim]; with stages, every stage's [pp, n, ...]
-        if self.pp > 1:
-            return [(k[:, ids], v[:, ids]) for k, v in caches]
-        return [(k[ids], v[ids]) for k, v in caches]
+        at = self._blocks(ids)
+        return [(k[at], v[at]) for k, v in caches]  # [n, block_size, kv_heads, head_dim]
 
     def _scatter_blocks(
         self, caches: list[KVCache], ids: jax.Array, blocks: list[KVCache]
     ) -> list[KVCache]:
-        if self.pp > 1:
-            return [
-                (k.at[:, ids].set(bk), v.at[:, ids].set(bv))
-                for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
-            ]
+        at = self._blocks(ids)
         return [
-            (k.at[ids].set(bk), v.at[ids].set(bv))
+            (k.at[at].set(bk), v.at[at].set(bv))
             for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
         ]
 
@@ -421,24 +420,18 @@ class ModelRunner:
         step's forward."""
         self._flush_swap_out()
         for host_ids, device_ids in self._swap_chunks(pairs):
-            # Copies; with stages, every stage's layer j in one [pp, n, ...] array.
-            if self.pp > 1:
-                blocks = [(k[:, host_ids], v[:, host_ids]) for k, v in self.host_caches]
-            else:
-                blocks = [(k[host_ids], v[host_ids]) for k, v in self.host_caches]
+            at = self._blocks(host_ids)
+            blocks = [(k[at], v[at]) for k, v in self.host_caches]  # copies
             self.caches = self._scatter_fn(self.caches, self._put(device_ids), self._put(blocks))
 
     def _flush_swap_out(self) -> None:
         # Waits for the gathers; by a swap-in's step, the steps they followed are done.
         for host_ids, blocks in self._pending_swap_out:
             real = host_ids != 0
+            to, of = self._blocks(host_ids[real]), self._blocks(real)
             for (hk, hv), (k, v) in zip(self.host_caches, blocks, strict=True):
-                if self.pp > 1:  # [pp, n, ...]: the block axis is the second
-                    hk[:, host_ids[real]] = np.asarray(k)[:, real]
-                    hv[:, host_ids[real]] = np.asarray(v)[:, real]
-                else:
-                    hk[host_ids[real]] = np.asarray(k)[real]
-                    hv[host_ids[real]] = np.asarray(v)[real]
+                hk[to] = np.asarray(k)[of]
+                hv[to] = np.asarray(v)[of]
         self._pending_swap_out.clear()
 
     def _swap_chunks(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -519,12 +512,15 @@ class ModelRunner:
     # publishes each (`publisher`), and its followers run the same (`follow`). --
 
     def _publish(self, op: str, statics: dict[str, int], **arrays: np.ndarray | None) -> None:
-        if self.publisher is not None:
-            present = {k: v for k, v in arrays.items() if v is not None}
-            self.publisher.publish(StepMessage(op, statics, present))
+        """Only on a multi-host leader (callers check `publisher` first: one step's
+        message costs dict building the single-host path does not need)."""
+        assert self.publisher is not None
+        present = {k: v for k, v in arrays.items() if v is not None}
+        self.publisher.publish(StepMessage(op, statics, present))
 
     def _launch_forward(self, packed: np.ndarray, shape: BatchShape) -> None:
-        self._publish("forward", dataclasses.asdict(shape), packed=packed)
+        if self.publisher is not None:
+            self._publish("forward", dataclasses.asdict(shape), packed=packed)
         draft_params = self.drafter.model.params if self.drafter is not None else None
         logits, hidden, self.caches, last_input, features = self._forward_fn(
             self.model.params,
@@ -546,8 +542,9 @@ class ModelRunner:
     ) -> tuple[sampler.SamplerOutput, tuple[jax.Array, ...] | None]:
         """Samples the last forward's logits rows (masked by `bitmask` when given) and,
         with `targets`, scores its every position (prompt logprobs)."""
-        fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
-        self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
+        if self.publisher is not None:
+            fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
+            self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
         assert self._last_forward is not None
         logits, hidden, last_input, _ = self._last_forward
         if bitmask is not None:
@@ -561,12 +558,14 @@ class ModelRunner:
         return out, scored
 
     def _launch_copy(self, pairs: np.ndarray) -> None:
-        self._publish("copy", {}, pairs=pairs)
+        if self.publisher is not None:
+            self._publish("copy", {}, pairs=pairs)
         src, dst = self._put(pairs)
         self.caches = self._copy_fn(self.caches, src, dst)
 
     def _launch_propose(self, inputs: ProposalInputs) -> jax.Array:
-        self._publish("propose", {}, **inputs._asdict())
+        if self.publisher is not None:
+            self._publish("propose", {}, **inputs._asdict())
         assert self.drafter is not None
         drafts, self.draft_probs, self.caches = self._propose_fn(
             self.drafter.model.params,
