@@ -268,9 +268,9 @@ class EngineArgs:
                 f"{available / memory.GIB:.1f} GiB of host memory available; lower "
                 "--swap-space or --kv-offloading-size"
             )
-        # One device's share of a block (its heads of its stage's layers); a host block
-        # holds every device's share, so swap_space GiB per device hold this many blocks.
-        per_block = _block_bytes(loaded, cache, tp, draft) // pp
+        # A host block holds every device's share, so swap_space GiB per device hold as
+        # many blocks as one device's share fits.
+        per_block = _block_bytes(loaded, cache, tp, pp, draft)
         # No more than every sequence at full length could ever swap out.
         useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
         num_swap = min(memory.host_block_count(swap, per_block), useful)
@@ -293,8 +293,8 @@ class EngineArgs:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         spec = loaded.spec
-        per_block = _block_bytes(loaded, cache, self.tensor_parallel_size, draft)
-        per_block //= self.pipeline_parallel_size  # a device holds its stage's layers only
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        per_block = _block_bytes(loaded, cache, tp, pp, draft)
         stats = jax.local_devices()[0].memory_stats()
         if stats and "bytes_limit" in stats:
             # Free device memory after the weights, less a margin for activations.
@@ -328,12 +328,14 @@ class _Built(NamedTuple):
 
 
 def _block_bytes(
-    loaded: LoadedModel, cache: CacheConfig, tp: int, draft: LoadedModel | None
+    loaded: LoadedModel, cache: CacheConfig, tp: int, pp: int, draft: LoadedModel | None
 ) -> int:
-    """Bytes per device of one KV block: the target's layers and a draft model's."""
+    """Bytes per device of one KV block: the target's layers and a draft model's, of a
+    device's heads (`tp`) and of its pipeline stage's layers (`pp`)."""
     itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
     models = [loaded] + ([draft] if draft is not None else [])
-    return sum(memory.kv_block_bytes(m.spec, cache.block_size, itemsize, tp) for m in models)
+    per_tp = sum(memory.kv_block_bytes(m.spec, cache.block_size, itemsize, tp) for m in models)
+    return per_tp // pp
 
 
 def _load_draft(
