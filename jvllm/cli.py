@@ -73,7 +73,7 @@ _HELP = {
     "(one byte a value: twice the blocks of bfloat16)",
     "attention_backend": "attention implementation",
     "cpu_kv_cache_bytes": "KV-cache budget on a CPU backend",
-    "compilation_cache_dir": "JAX persistent compilation cache ('' turns it off; "
+    "compilation_cache_dir": "compiled programs kept between starts ('' turns it off; "
     "default $JVLLM_CACHE/xla)",
     "generation_config": "auto (the model's generation_config.json supplies request defaults), "
     "vllm (ignore its sampling defaults) or a directory holding one",

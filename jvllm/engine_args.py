@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +44,8 @@ logger = logging.getLogger("jvllm")
 
 # KV-cache budget on a CPU backend, which reports no memory statistics.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Under the compilation cache directory: the runner's stored executables (ExecutableStore).
+EXECUTABLES_DIR = "executables"
 
 
 @dataclass
@@ -71,8 +74,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3), "fp8_e4m3", "fp8_e5m2": one byte a value
     attention_backend: str = "auto"
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
-    # JAX's persistent compilation cache: None is $JVLLM_CACHE/xla (~/.cache/jvllm/xla)
-    # unless the process configured one already; "" turns it off.
+    # Compiled programs kept between starts (`compilation_cache`): None is $JVLLM_CACHE/xla
+    # (~/.cache/jvllm/xla) unless the process configured JAX's cache already; "" turns it off.
     compilation_cache_dir: str | None = None
     # Multi-host (offline API): every process runs the same program; see parallel.distributed.
     coordinator_address: str | None = None
@@ -114,9 +117,13 @@ class EngineArgs:
         return SpeculativeConfig.from_dict(value) if value else None
 
     def create_engine(self) -> LLMEngine:
-        built = self._build()
+        # The tokenizer loads (Transformers imports torch: seconds) while the runner warms
+        # up: warm-up runs in XLA and leaves the interpreter free.
+        with ThreadPoolExecutor(1, thread_name_prefix="jvllm-tokenizer") as pool:
+            pending_tokenizer = pool.submit(load_tokenizer, self.tokenizer or self.model)
+            built = self._build()
+            tokenizer = pending_tokenizer.result()
         runner, loaded, config = built.runner, built.loaded, built.config
-        tokenizer = load_tokenizer(self.tokenizer or self.model)
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
         return LLMEngine(
@@ -138,13 +145,13 @@ class EngineArgs:
     def _build(self) -> _Built:
         _check_cpu_offload(self.cpu_offload_gb)
         speculative = self.speculative()
-        enable_compilation_cache(self.compilation_cache_dir)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
         )
         dist = distributed_config(self.coordinator_address, self.num_processes, self.process_id)
         if dist is not None:
             initialize_distributed(dist)
+        cache_dir = compilation_cache(self.compilation_cache_dir, jax.process_count() > 1)
         parallel = ParallelConfig(
             self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_micro_batches
         )
@@ -225,6 +232,7 @@ class EngineArgs:
             lookahead,
             draft,
             parallel.pipeline_micro_batches,
+            None if cache_dir is None else cache_dir / EXECUTABLES_DIR,
         )
         runner.warm_up()
         config = EngineConfig(model_config, cache, scheduler, parallel, speculative)
@@ -382,21 +390,30 @@ def _check_draft_length(path: str, draft: LoadedModel, max_model_len: int) -> No
         )
 
 
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Points JAX's persistent compilation cache at `cache_dir` (see EngineArgs), keeping
-    every program however small or quick (a small model's are both). A directory the
-    process already configured (a benchmark's, a test's) is left as it is."""
+def compilation_cache(cache_dir: str | None, multi_process: bool) -> Path | None:
+    """Where compiled programs are kept between starts (see EngineArgs); None: nowhere.
+
+    One process keeps the runner's executables there (`ExecutableStore`, EXECUTABLES_DIR),
+    which skips tracing as well as compiling on the next start. Several processes (one
+    program across hosts) use JAX's persistent compilation cache there instead. JAX's
+    cache is not also turned on for one process: XLA:CPU cannot faithfully serialize an
+    executable that JAX's cache deserialized, so the store keeps only fresh compiles.
+    A process that configured JAX's cache itself (a benchmark's) keeps it, and its
+    directory is the one used."""
     if cache_dir == "":
-        return
+        return None
     if cache_dir is None:
         if jax.config.jax_compilation_cache_dir:
-            return
+            return Path(jax.config.jax_compilation_cache_dir)
         root = os.environ.get("JVLLM_CACHE") or Path.home() / ".cache" / "jvllm"
         cache_dir = str(Path(root) / "xla")
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if multi_process:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        # Every program however small or quick (a small model's are both).
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return Path(cache_dir)
 
 
 def _check_cpu_offload(gib: float) -> None:

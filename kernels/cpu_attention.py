@@ -91,7 +91,8 @@ def _library() -> ctypes.CDLL:
 
 
 @functools.cache
-def _register() -> None:
+def register() -> None:
+    """Registers the kernel as an XLA FFI target (once a process; builds it first)."""
     handler = jax.ffi.pycapsule(_library().JvllmPagedAttention)
     jax.ffi.register_ffi_target(_TARGET, handler, platform="cpu")
 
@@ -111,7 +112,7 @@ def paged_attention(
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
         )
-    _register()
+    register()
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q,
         k_cache,

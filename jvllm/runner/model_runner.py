@@ -17,7 +17,8 @@ of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S
 to `min(T, max_num_seqs)`, so one forward program exists per T bucket. With
 speculative decoding (k draft tokens a row at most) the logits and sampler rows are
 `min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled.
-`num_compilations` counts the programs in the jit caches: each is one compilation.
+Each program is a `programs.Program`; `num_compilations` counts the executables they
+hold (compiled, or read from the `ExecutableStore` of an earlier start), one per shape.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +39,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.llm_engine import LateSampling
 from jvllm.engine.spec_decode import DraftRow
+from jvllm.kernels import cpu_attention
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
@@ -59,6 +62,7 @@ from jvllm.runner.input_batch import (
     unpack,
     unpack_micro_batches,
 )
+from jvllm.runner.programs import ExecutableStore, Program, scope_digest
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
@@ -126,6 +130,7 @@ class ModelRunner:
         num_lookahead_tokens: int = 0,
         draft: LoadedModel | None = None,
         num_micro_batches: int | None = None,
+        executable_dir: Path | None = None,
     ) -> None:
         """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
@@ -133,7 +138,9 @@ class ModelRunner:
         (speculative decoding's k) the logits rows a row may need beyond its one.
         `draft`: speculative decoding's draft model or EAGLE head, whose KV layers
         follow the target's in `caches` (same blocks). On a mesh with pipeline stages,
-        each step runs as `num_micro_batches` micro-batches (default: one per stage)."""
+        each step runs as `num_micro_batches` micro-batches (default: one per stage).
+        `executable_dir`: where compiled programs are stored for the next start
+        (`ExecutableStore`; None: compile every start)."""
         self.pp = pp_size(mesh)
         if self.pp > 1 and draft is not None:
             raise ValueError(
@@ -180,6 +187,7 @@ class ModelRunner:
             and leaf.sharding.memory_kind == HOST_MEMORY
         }
         self.caches = self._allocate_cache(num_blocks)
+        store = self.executable_store = self._executable_store(executable_dir)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
         # [R, H] device array: an EAGLE head's input, the last step's logits rows' hidden
         # states (padded to the largest logits-row bucket, so one proposal program each).
@@ -190,21 +198,33 @@ class ModelRunner:
             q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
             q = np.zeros(q_shape, np.float32)  # on the device, as what replaces it
             self.draft_probs = self._device_array(q)
-            self._propose_fn = jax.jit(self._propose, donate_argnames=("caches",))
+            self._propose_fn = Program(
+                self._propose, "propose", store, donate_argnames=("caches",), fixed=(0, 1, 2)
+            )
         zeros = np.zeros(self.max_rows, np.int32)  # [R]
         # A device array, like the sampler output that replaces it every step: a host
         # array here would give every forward bucket a second program at serve time.
         self.last_sampled = self._device_array(zeros)
-        self._forward_fn = jax.jit(
-            self._forward, static_argnames=("shape",), donate_argnames=("caches",)
+        self._forward_fn = Program(
+            self._forward,
+            "forward",
+            store,
+            static_argnames=("shape",),
+            donate_argnames=("caches",),
+            fixed=(0, 1),
         )
-        self._sample_fn = jax.jit(self._sample)
-        self._mask_fn = jax.jit(self._apply_bitmask)
-        self._all_logprobs_fn = jax.jit(self._all_logprobs)
-        self._copy_fn = jax.jit(self._copy_blocks, donate_argnames=("caches",))
+        self._sample_fn = Program(self._sample, "sample", store)
+        self._mask_fn = Program(self._apply_bitmask, "mask", store)
+        self._all_logprobs_fn = Program(self._all_logprobs, "all_logprobs", store, fixed=(0,))
+        donate = ("caches",)
+        self._copy_fn = Program(
+            self._copy_blocks, "copy", store, donate_argnames=donate, fixed=(0,)
+        )
         self.host_caches = self._allocate_host_cache(num_host_blocks)
-        self._gather_fn = jax.jit(self._gather_blocks)
-        self._scatter_fn = jax.jit(self._scatter_blocks, donate_argnames=("caches",))
+        self._gather_fn = Program(self._gather_blocks, "gather", store, fixed=(0,))
+        self._scatter_fn = Program(
+            self._scatter_blocks, "scatter", store, donate_argnames=donate, fixed=(0,)
+        )
         # Swap-outs dispatched but not yet written into host_caches: (host ids, blocks).
         self._pending_swap_out: list[tuple[np.ndarray, list[KVCache]]] = []
 
@@ -221,8 +241,32 @@ class ModelRunner:
             self._gather_fn,
             self._scatter_fn,
         )
-        # _cache_size() is JAX's count of a jitted function's compiled executables.
-        return sum(fn._cache_size() for fn in jitted)
+        return sum(len(fn.executables) for fn in jitted)
+
+    def _executable_store(self, directory: Path | None) -> ExecutableStore | None:
+        """The store of this runner's programs: one scope per model, engine configuration
+        and set of devices. Multi-process meshes compile every start."""
+        if directory is None or jax.process_count() > 1:
+            return None
+        if self.model.module.backend == "cpu":
+            # A stored program calls the C++ kernel by its FFI name, which a trace would
+            # otherwise have registered.
+            cpu_attention.register()
+        drafter = None if self.drafter is None else self.drafter.model.module
+        configuration = (
+            self.model.module,
+            drafter,
+            self.kv_dtype,
+            self.num_blocks,
+            self.width,
+            self.token_buckets,
+            self.max_num_seqs,
+            self.num_lookahead_tokens,
+            self.num_micro,
+            self.mesh,
+            sorted(self._bring_in_shardings.items()),
+        )
+        return ExecutableStore(directory, scope_digest(configuration))
 
     # -- device programs --
 
