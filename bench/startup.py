@@ -20,7 +20,6 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import tempfile
@@ -41,13 +40,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=2, help="warm starts after each cold one")
     p.add_argument("--baseline-src", type=Path, help="another jvllm checkout, run alternately")
     p.add_argument("--output", type=Path, default=ROOT / "bench/results/startup.json")
-    p.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "CACHE_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, metavar=("SRC", "MODEL", "CACHE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def child(preset: common.Preset, model_dir: str, cache_dir: str) -> dict[str, Any]:
-    """One start in this process: seconds per phase, as JSON on the last stdout line."""
+def child(preset: common.Preset, source: str, model_dir: str, cache_dir: str) -> dict[str, Any]:
+    """One start in this process with `source`'s jvllm: seconds per phase."""
     started = time.perf_counter()
+    sys.path.insert(0, source)  # ahead of this checkout, which runs the script
     import jvllm
     import jvllm.engine_args as engine_args
     import jvllm.runner.model_runner as model_runner
@@ -97,12 +97,10 @@ def child(preset: common.Preset, model_dir: str, cache_dir: str) -> dict[str, An
 
 def start(source: Path, model_dir: Path, cache_dir: Path, preset: str) -> dict[str, Any]:
     """One start in a fresh process running `source`'s jvllm; wall time included."""
-    env = dict(os.environ, PYTHONPATH=f"{source}{os.pathsep}{ROOT}")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--preset", preset]
     t = time.perf_counter()
     done = subprocess.run(
-        [*cmd, "--child", str(model_dir), str(cache_dir)],
-        env=env,
+        [*cmd, "--child", str(source), str(model_dir), str(cache_dir)],
         capture_output=True,
         text=True,
         check=False,
