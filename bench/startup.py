@@ -17,6 +17,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--child" in sys.argv:  # the measured checkout's jvllm, ahead of this one (bench imports it)
+    sys.path.insert(0, sys.argv[sys.argv.index("--child") + 1])
 
 import argparse
 import json
@@ -40,20 +42,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=2, help="warm starts after each cold one")
     p.add_argument("--baseline-src", type=Path, help="another jvllm checkout, run alternately")
     p.add_argument("--output", type=Path, default=ROOT / "bench/results/startup.json")
-    p.add_argument("--child", nargs=3, metavar=("SRC", "MODEL", "CACHE"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # SRC MODEL CACHE LAUNCHED
     return p.parse_args(argv)
 
 
-def child(preset: common.Preset, source: str, model_dir: str, cache_dir: str) -> dict[str, Any]:
-    """One start in this process with `source`'s jvllm: seconds per phase."""
-    started = time.perf_counter()
-    sys.path.insert(0, source)  # ahead of this checkout, which runs the script
+def child(
+    preset: common.Preset, source: str, model_dir: str, cache_dir: str, launched: str
+) -> dict[str, Any]:
+    """One start in this process with `source`'s jvllm (first on sys.path since the
+    script began): seconds per phase."""
     import jvllm
     import jvllm.engine_args as engine_args
     import jvllm.runner.model_runner as model_runner
     from jvllm import LLM
 
-    imported = time.perf_counter()
+    imported = time.perf_counter()  # import_s: from the parent's launch to here
     phases: dict[str, float] = {}
 
     def timed(owner: Any, name: str, label: str) -> None:
@@ -86,7 +89,7 @@ def child(preset: common.Preset, source: str, model_dir: str, cache_dir: str) ->
     store = getattr(runner, "executable_store", None)
     return dict(
         source=str(Path(jvllm.__file__).parent),
-        import_s=imported - started,
+        import_s=time.time() - float(launched) - (built - imported),
         llm_s=built - t,
         **phases,
         programs=runner.num_compilations,
@@ -100,7 +103,7 @@ def start(source: Path, model_dir: Path, cache_dir: Path, preset: str) -> dict[s
     cmd = [sys.executable, str(Path(__file__).resolve()), "--preset", preset]
     t = time.perf_counter()
     done = subprocess.run(
-        [*cmd, "--child", str(source), str(model_dir), str(cache_dir)],
+        [*cmd, "--child", str(source), str(model_dir), str(cache_dir), str(time.time())],
         capture_output=True,
         text=True,
         check=False,
