@@ -79,6 +79,11 @@ if [ "$(left)" -gt 300 ]; then
   # How long the GPU waits for the host between steps at 256 decoding sequences.
   step device-idle 120 "$PY" bench/device_idle.py --output "$RESULTS/device_idle_gpu.json"
 fi
+if [ "$(left)" -gt 240 ]; then
+  # A cold start (empty cache directory) then a warm one that loads the stored programs.
+  step startup 150 "$PY" bench/startup.py --preset cpu --rounds 1 --warm 1 \
+    --output "$RESULTS/startup_gpu.json"
+fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
   step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
@@ -103,6 +108,10 @@ timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.
 if [ -f "$LOGS/device-idle.log" ]; then
   echo "=== device idle under async scheduling (goal: at most 10% at 256 sequences)"
   grep "device idle" "$LOGS/device-idle.log" | tail -1
+fi
+if [ -f "$LOGS/startup.log" ]; then
+  echo "=== start-up, cpu preset on this GPU (LLM() seconds, cold and warm)"
+  sed -n '/source  *start/,$p' "$LOGS/startup.log" | head -5
 fi
 if [ -f "$LOGS/spec-decode.log" ]; then
   echo "=== speculative decoding, demo model (tokens/s, acceptance)"

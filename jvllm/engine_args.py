@@ -151,7 +151,7 @@ class EngineArgs:
         dist = distributed_config(self.coordinator_address, self.num_processes, self.process_id)
         if dist is not None:
             initialize_distributed(dist)
-        cache_dir = compilation_cache(self.compilation_cache_dir, jax.process_count() > 1)
+        cache_dir = compilation_cache(self.compilation_cache_dir)
         parallel = ParallelConfig(
             self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_micro_batches
         )
@@ -390,16 +390,16 @@ def _check_draft_length(path: str, draft: LoadedModel, max_model_len: int) -> No
         )
 
 
-def compilation_cache(cache_dir: str | None, multi_process: bool) -> Path | None:
+def compilation_cache(cache_dir: str | None) -> Path | None:
     """Where compiled programs are kept between starts (see EngineArgs); None: nowhere.
 
-    One process keeps the runner's executables there (`ExecutableStore`, EXECUTABLES_DIR),
-    which skips tracing as well as compiling on the next start. Several processes (one
-    program across hosts) use JAX's persistent compilation cache there instead. JAX's
-    cache is not also turned on for one process: XLA:CPU cannot faithfully serialize an
-    executable that JAX's cache deserialized, so the store keeps only fresh compiles.
-    A process that configured JAX's cache itself (a benchmark's) keeps it, and its
-    directory is the one used."""
+    JAX's persistent compilation cache is there, keeping every program however small or
+    quick (a small model's are both): it skips XLA's compile of any program compiled
+    before, under any engine configuration. One process also keeps the runner's
+    executables there (`ExecutableStore`, EXECUTABLES_DIR), which skips tracing and
+    lowering too on a start with the same configuration (not across processes of one
+    multi-host program). A directory the process already configured (a benchmark's) is
+    the one used."""
     if cache_dir == "":
         return None
     if cache_dir is None:
@@ -408,11 +408,9 @@ def compilation_cache(cache_dir: str | None, multi_process: bool) -> Path | None
         root = os.environ.get("JVLLM_CACHE") or Path.home() / ".cache" / "jvllm"
         cache_dir = str(Path(root) / "xla")
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    if multi_process:
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        # Every program however small or quick (a small model's are both).
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return Path(cache_dir)
 
 

@@ -6,8 +6,8 @@ of the arguments that vary between calls). Owns `ExecutableStore`: a directory o
 serialized XLA executables, so that a later start with the same code, model, engine
 configuration and JAX loads each program instead of tracing, lowering and compiling it
 again. JAX's persistent compilation cache skips only XLA's compile on such a start: it
-still traces and lowers every program to find its key (for the `cpu` bench preset, 49
-programs, 8 of the 10 s of a warm start).
+still traces and lowers every program to find its key (the `cpu` bench preset's 49
+programs: about 7 s of a 15 s warm start, `bench/startup.py`).
 
 A stored executable is found by a digest of everything its program depends on: the
 store's scope (the jvllm source, JAX's version and configuration, the devices, the
@@ -97,9 +97,10 @@ class ExecutableStore:
     """Serialized executables under `directory/<scope>/`, one file per program signature.
     Files are written whole then renamed, so concurrent processes never read half of one;
     one that cannot be read is compiled again and replaced. Only fresh compiles are
-    written: an executable that JAX's persistent cache (when a process turned it on)
-    deserialized loses code when XLA:CPU serializes it again ("Function ... not found"
-    on its first run after loading)."""
+    written: an executable that JAX's persistent cache deserialized loses code when
+    XLA:CPU serializes it again ("Function ... not found" on its first run after
+    loading). Such a program is traced again at every start until XLA compiles it anew
+    (after a change to its lowered program, or with JAX's cache emptied)."""
 
     def __init__(self, directory: Path, scope: str) -> None:
         _listen_for_jax_cache_hits()

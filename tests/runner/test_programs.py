@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm import LLM, SamplingParams
 from jvllm.runner.programs import ExecutableStore, Program
 
 
@@ -117,28 +116,39 @@ def test_executables_from_jax_persistent_cache_are_not_stored(tmp_path: Path) ->
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [1, 0]
 
 
-def test_a_second_engine_loads_every_program(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+_START_SCRIPT = """
+import json, sys
+from jvllm import LLM, SamplingParams
+model, cache, max_num_seqs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = LLM(model, max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+          compilation_cache_dir=cache)
+runner = llm.llm_engine.runner
+store = runner.executable_store
+built = runner.num_compilations
+prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+print(json.dumps(dict(loaded=store.loaded, written=store.written, programs=built,
+                      after=runner.num_compilations, scope=str(store.directory),
+                      tokens=[o.outputs[0].token_ids for o in outs])))
+"""
+
+
+def start(model: Path, cache: Path, max_num_seqs: int) -> dict:
+    """One engine start in a fresh process (as a second start of a server is)."""
+    cmd = [sys.executable, "-c", _START_SCRIPT, str(model), str(cache), str(max_num_seqs)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_loads_every_program(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """Same checkpoint and engine arguments: the second start compiles nothing, and its
-    greedy outputs equal the first's; other engine arguments share nothing."""
-    engine = dict(
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        compilation_cache_dir=str(tmp_path),
-    )
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
-    outputs, stores = [], []
-    for kwargs in (engine, engine, {**engine, "max_num_seqs": 4}):
-        llm = LLM(str(checkpoints["llama"]), **kwargs)
-        runner = llm.llm_engine.runner
-        store = runner.executable_store
-        stores.append((store.loaded, store.written, runner.num_compilations, store.directory))
-        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
-        assert runner.num_compilations == stores[-1][2]  # nothing new while serving
-        del llm
-    (_, written, programs, first_dir), (loaded, rewritten, _, again_dir), other = stores
-    assert written == programs > 0
-    assert (loaded, rewritten, again_dir) == (programs, 0, first_dir)
-    assert other[0] == 0 and other[3] != first_dir
-    assert outputs[1] == outputs[0] == outputs[2]
+    greedy outputs equal the first's; other engine arguments share no stored program."""
+    first, second = (start(checkpoints["llama"], tmp_path, 8) for _ in range(2))
+    other = start(checkpoints["llama"], tmp_path, 4)
+    for run in (first, second, other):
+        assert run["after"] == run["programs"] > 0  # nothing new while serving
+    assert (first["written"], first["loaded"]) == (first["programs"], 0)
+    assert (second["written"], second["loaded"]) == (0, first["programs"])
+    assert second["scope"] == first["scope"] != other["scope"] and other["loaded"] == 0
+    assert first["tokens"] == second["tokens"] == other["tokens"]
