@@ -69,6 +69,19 @@ def ct_integers(ct_dir: Path, bits: int) -> Layers:
     return layers
 
 
+def set_dequantized_weights(hf: Any, ct_dir: Path, args: QuantizationArgs) -> set[str]:
+    """Sets each packed linear weight of the Transformers model `hf` to what
+    compressed-tensors dequantizes from `ct_dir`'s integers; returns their prefixes."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    layers = ct_integers(ct_dir, args.num_bits)
+    for prefix, layer in layers.items():
+        q, scale, zero = (torch.from_numpy(layer[k]) for k in ("q", "scale", "zero"))
+        weight = dequantize(q.to(torch.int8), scale, zero.to(torch.int8), args)
+        hf.get_submodule(prefix).weight.data.copy_(weight)
+    return set(layers)
+
+
 def act_order(layers: Layers, group_size: int, num_heads: int, num_kv_heads: int) -> None:
     """Permutes the MLP's intermediate features and the value heads' channels (a symmetry
     of the model: rows of gate/up/v, inputs of down/o) and gives every layer its g_idx."""

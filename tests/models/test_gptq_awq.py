@@ -36,7 +36,12 @@ from tests.models.test_quantization import linear_bytes, prompt_row
 ct = pytest.importorskip("compressed_tensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tests.models.legacy_checkpoints import awq_pack, ct_args, ct_integers, write_legacy  # noqa: E402
+from tests.models.legacy_checkpoints import (  # noqa: E402
+    awq_pack,
+    ct_args,
+    set_dequantized_weights,
+    write_legacy,
+)
 
 # name -> (layout, bits, group size or None per channel, symmetric, activation order)
 CASES = {
@@ -65,15 +70,11 @@ def reference(case_dirs, checkpoints):
     weights compressed-tensors dequantized from its checkpoint). Transformers 5.24 does
     not load an asymmetric pack-quantized checkpoint itself (its zero points stay
     packed, a size mismatch), so the reference is the dequantized float model."""
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from transformers import AutoModelForCausalLM
 
     legacy, ct_dir, case = case_dirs
     hf = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32).eval()
-    for prefix, layer in ct_integers(ct_dir, case[1]).items():
-        q, scale, zero = (torch.from_numpy(layer[k]) for k in ("q", "scale", "zero"))
-        weight = dequantize(q.to(torch.int8), scale, zero.to(torch.int8), ct_args(case))
-        hf.get_submodule(prefix).weight.data.copy_(weight)
+    set_dequantized_weights(hf, ct_dir, ct_args(case))
     return LLM(str(legacy), **ENGINE), hf
 
 

@@ -67,11 +67,10 @@ def dequantized_model(checkpoint: Path) -> Any:
     smoothing changed the norms), each packed linear weight dequantized by
     compressed-tensors from its own unpacked integers, scales and zero points."""
     from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.models.legacy_checkpoints import ct_integers
+    from tests.models.legacy_checkpoints import set_dequantized_weights
 
     config = json.loads((checkpoint / "config.json").read_text())
     config.pop("quantization_config")
@@ -80,13 +79,8 @@ def dequantized_model(checkpoint: Path) -> Any:
     tensors = load_file(str(checkpoint / "model.safetensors"))
     floats = {k: v for k, v in tensors.items() if not k.endswith(QUANTIZED)}
     missing, unexpected = hf.load_state_dict(floats, strict=False)
-    args = QuantizationArgs(**weights_config(checkpoint))
-    layers = ct_integers(checkpoint, args.num_bits)
-    assert not unexpected and set(missing) == {f"{p}.weight" for p in layers}, missing
-    for prefix, layer in layers.items():
-        q, scale, zero = (torch.from_numpy(layer[k]) for k in ("q", "scale", "zero"))
-        weight = dequantize(q.to(torch.int8), scale, zero.to(torch.int8), args)
-        hf.get_submodule(prefix).weight.data.copy_(weight)
+    packed = set_dequantized_weights(hf, checkpoint, QuantizationArgs(**weights_config(checkpoint)))
+    assert not unexpected and set(missing) == {f"{p}.weight" for p in packed}, missing
     return hf
 
 
