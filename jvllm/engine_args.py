@@ -28,6 +28,7 @@ from jvllm.config import (
     SpeculativeConfig,
 )
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.scheduler import check_kv_capacity
 from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
@@ -208,6 +209,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
         )
         num_blocks = self._num_blocks(loaded, cache, scheduler, draft)
+        check_kv_capacity(scheduler, cache, num_blocks)  # before compiling anything
         num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler, draft)
         if dist is not None and dist.num_processes > 1:
             if num_host_blocks or num_tier_blocks:

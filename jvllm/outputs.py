@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] | None = None  # vLLM's field; jvllm reports none per request
 
     def add(self, later: RequestOutput) -> None:
         """Folds a later DELTA output of the same request into this one (a reader that

@@ -315,40 +315,47 @@ class LLMEngine:
         # Each row's first sampling row: rows verifying k drafts take 1 + k.
         at: Sequence[int] = range(len(rows))
         verified: dict[str, list[int]] | None = None
-        if self.speculator is not None and any(row.num_spec_tokens for row in rows):
+        speculator = self.speculator
+        if speculator is not None and any(row.num_spec_tokens for row in rows):
             at, verified = self._verify(rows, result)
+        tokens = result.token_ids.tolist()  # one conversion, not one per row
         sampled = {
-            row.request_id: int(result.token_ids[at[i]])
+            row.request_id: tokens[at[i]]
             for i, row in enumerate(rows)
             if row.samples and not row.num_spec_tokens
         }
         self.scheduler.update_from_output(flight.sched, sampled, verified)
-        touched: dict[str, SequenceGroup] = {}
+        groups, touched = self._groups, {}
         proposed: dict[str, BeamGroup] = {}
         drafting: list[StepSequence] = []  # sequences to draft for
-        for i, (state, row) in enumerate(zip(flight.states, rows, strict=True)):
-            if state.finished:
-                continue  # stopped or aborted after this step was dispatched
+        states = zip(flight.states, rows, flight.want_prompt, strict=True)
+        for i, (state, row, want_prompt) in enumerate(states):
             if isinstance(state, Beam):
                 # Preempted since dispatch: not awaiting selection, it proposes again.
-                if row.samples and state.request.awaiting_selection:
+                if not state.finished and row.samples and state.request.awaiting_selection:
                     state.candidates = self._candidates(result, i, state.group_id)
                     proposed[state.group_id] = self._beam_groups[state.group_id]
                 continue
-            if flight.want_prompt[i]:
+            if state.finished_status is not None:
+                continue  # stopped or aborted after this step was dispatched
+            if want_prompt:
                 state.add_prompt_logprobs(row, result.prompt_logprobs[i])
-            speculates = self.speculator is not None and state.constraints.grammar is None
+            speculates = speculator is not None and state.constraints.grammar is None
             if row.samples:
                 num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
-                self._add_tokens(state, result, at[i], num)
-                if speculates and not state.finished:
+                if num == 1:
+                    self._add_token(state, result, at[i])  # the common case
+                else:
+                    self._add_tokens(state, result, at[i], num)
+                if speculates and state.finished_status is None:
                     # The newest token came from the row's num-th logits row.
                     drafting.append(StepSequence(state.request, state.seed, at[i] + num - 1, True))
-            elif speculates and self.speculator.wants_every_row:
+            elif speculates and speculator.wants_every_row:
                 drafting.append(StepSequence(state.request, state.seed, at[i], False))
-            touched[state.group_id] = self._groups[state.group_id]
-        if self.speculator is not None:
-            self.speculator.propose(drafting)
+            group_id = state.group_id
+            touched[group_id] = groups[group_id]
+        if speculator is not None:
+            speculator.propose(drafting)
         outputs = [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
             if group.finished:
@@ -372,6 +379,13 @@ class LLMEngine:
                 self.speculator.observe(k, emitted)
             next_at += 1 + k
         return at, verified
+
+    def _add_token(self, state: SequenceState, result: Any, at: int) -> None:
+        """Records the one token the scheduler appended (sampling row `at`); checks stops."""
+        self.generation_tokens += 1
+        outputs = state.request.output_token_ids
+        state.add_token(result, at, outputs[-1])
+        self._check_stop(state, len(outputs))
 
     def _add_tokens(self, state: SequenceState, result: Any, at: int, num: int) -> None:
         """Records the `num` tokens the scheduler appended (sampling rows at, at + 1, ...),

@@ -97,6 +97,8 @@ class _Step:
     rows: list[ScheduledRequest] = field(default_factory=list)
     # Request id -> its computed tokens before this step (its row's start position).
     starts: dict[str, int] = field(default_factory=dict)
+    # Request id -> its row, for the rows that sample.
+    sampling_rows: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -115,15 +117,7 @@ class Scheduler:
         """`num_host_blocks` host blocks for swapping (with preemption_mode="swap") and
         `num_tier_blocks` more for the prefix cache's host tier; every allocation covers
         `num_lookahead_tokens` more positions (a draft model's proposals)."""
-        blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
-        if num_blocks - 1 < blocks_per_seq:
-            raise ValueError(
-                f"num_blocks={num_blocks} (one reserved) cannot hold one sequence of "
-                f"max_model_len={scheduler_config.max_model_len} tokens, which needs "
-                f"{blocks_per_seq + 1} blocks of block_size={cache_config.block_size}; "
-                "lower max_model_len or give the KV cache more memory "
-                "(gpu_memory_utilization, num_gpu_blocks_override)"
-            )
+        check_kv_capacity(scheduler_config, cache_config, num_blocks)
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.is_static = scheduler_config.scheduling_policy == "static"
@@ -171,7 +165,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(step)
         offloads, onloads = self.kv_cache_manager.take_host_copies()
-        self._sampling_rows = {row.request_id: i for i, row in enumerate(step.rows) if row.samples}
+        self._sampling_rows = step.sampling_rows
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self._pending_steps.append(step_id)
         return SchedulerOutput(
@@ -179,7 +173,7 @@ class Scheduler:
             scheduled=step.rows,
             blocks_to_copy=self.kv_cache_manager.take_blocks_to_copy(),
             preempted_request_ids=step.preempted_ids,
-            num_scheduled_tokens=sum(len(row.token_ids) for row in step.rows),
+            num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - step.budget,
             blocks_to_swap_out=step.swap_out + offloads,
             blocks_to_swap_in=step.swap_in + onloads,
         )
@@ -292,33 +286,41 @@ class Scheduler:
         )
 
     def _schedule_running(self, step: _Step) -> None:
+        kv, running = self.kv_cache_manager, self.running
         index = 0
-        while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            if request.beam_group is None:  # the common case: a unit of one, no lists
-                # Its sampled tokens may end it by length: it finishes when the last
-                # placeholder is committed.
-                if not (request.num_output_placeholders and self._reaches_length_limit(request)):
-                    num_new = min(
-                        request.num_tokens_with_placeholders - request.num_computed_tokens,
-                        step.budget,
-                    )
-                    drafts = (
-                        self._lookahead(request, num_new, step.budget)
-                        if request.spec_token_ids
-                        else []
-                    )
-                    if not drafts and not self._allocate(step, request, num_new, [request]):
-                        return
-                    self._add_row(step, request, num_new, drafts)
-                index += 1
+        while index < len(running) and step.budget > 0:
+            request = running[index]
+            if request.beam_group is not None:
+                unit = self._unit_at(index)
+                # A beam waits for its group's selection.
+                todo = [
+                    r for r in unit if not (r.waits_for_selection or self._reaches_length_limit(r))
+                ]
+                if todo and not self._schedule_unit(step, unit, todo):
+                    return
+                index += len(unit)
                 continue
-            unit = self._unit_at(index)
-            # A beam waits for its group's selection.
-            todo = [r for r in unit if not (r.waits_for_selection or self._reaches_length_limit(r))]
-            if todo and not self._schedule_unit(step, unit, todo):
+            # The common case, a unit of one: no lists, and the lengths read once (this
+            # loop runs for every running request every step).
+            index += 1
+            num_outputs = len(request.output_token_ids) + request.num_output_placeholders
+            num_tokens = len(request.prompt_token_ids) + num_outputs
+            # Its sampled tokens may end it by length: it finishes when the last
+            # placeholder is committed.
+            if request.num_output_placeholders and self._ends_by_length(
+                request, num_outputs, num_tokens
+            ):
+                continue
+            num_new = min(num_tokens - request.num_computed_tokens, step.budget)
+            drafts = (
+                self._lookahead(request, num_new, step.budget) if request.spec_token_ids else []
+            )
+            if not drafts and not (
+                kv.allocate_slots(request, num_new)
+                or self._allocate(step, request, num_new, [request])
+            ):
                 return
-            index += len(unit)
+            self._add_row(step, request, num_new, drafts)
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The draft tokens a decode row verifies this step, with their slots allocated:
@@ -394,10 +396,15 @@ class Scheduler:
         by length, so scheduling it again would only compute a token to throw away."""
         if not request.num_output_placeholders:
             return False  # every token is known: the engine has checked it
+        return self._ends_by_length(
+            request, request.num_outputs_with_placeholders, request.num_tokens_with_placeholders
+        )
+
+    def _ends_by_length(self, request: Request, num_outputs: int, num_tokens: int) -> bool:
+        """Whether `num_outputs` output tokens (`num_tokens` in all) end the request."""
         max_tokens = request.sampling_params.max_tokens
-        max_model_len = self.scheduler_config.max_model_len
-        return request.num_tokens_with_placeholders >= max_model_len or (
-            max_tokens is not None and request.num_outputs_with_placeholders >= max_tokens
+        return num_tokens >= self.scheduler_config.max_model_len or (
+            max_tokens is not None and num_outputs >= max_tokens
         )
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -552,16 +559,17 @@ class Scheduler:
     ) -> None:
         """Schedules positions [computed, computed + num_new) and advances the request;
         `drafts` (allocated already) follow at the next positions."""
+        request_id = request.request_id
         start = request.num_computed_tokens
         end = start + num_new
         assert end <= self.scheduler_config.max_model_len, (request, num_new)
         prev_step_row = None
-        num_tokens = request.num_tokens
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         if end > num_tokens:
             # The one token of this row is still on the device: the previous step sampled it.
             assert num_new == 1 and request.num_output_placeholders == 1, request
             token_ids = [PLACEHOLDER_TOKEN]
-            prev_step_row = self._sampling_rows[request.request_id]
+            prev_step_row = self._sampling_rows[request_id]
         else:
             token_ids = request.get_token_ids(start, end)
         samples = end == num_tokens + request.num_output_placeholders
@@ -570,22 +578,39 @@ class Scheduler:
             request.spec_token_ids = []  # proposed for this row only
         if num_spec:
             token_ids = token_ids + drafts
+        if samples:
+            step.sampling_rows[request_id] = len(step.rows)
+            request.num_output_placeholders += 1
         step.rows.append(
             ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=token_ids,
-                start_position=start,
-                block_table=self.kv_cache_manager.get_block_table(request.request_id),
-                samples=samples,
-                prev_step_row=prev_step_row,
-                num_spec_tokens=num_spec,
+                request_id,
+                token_ids,
+                start,
+                self.kv_cache_manager.get_block_table(request_id),
+                samples,
+                prev_step_row,
+                num_spec,
             )
         )
-        step.starts[request.request_id] = start
+        step.starts[request_id] = start
         step.budget -= num_new + num_spec
         request.num_computed_tokens = end + num_spec
-        if samples:
-            request.num_output_placeholders += 1
+
+
+def check_kv_capacity(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+) -> None:
+    """Raises when `num_blocks` KV blocks (one reserved) cannot hold one sequence of
+    max_model_len tokens."""
+    blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
+    if num_blocks - 1 < blocks_per_seq:
+        raise ValueError(
+            f"num_blocks={num_blocks} (one reserved) cannot hold one sequence of "
+            f"max_model_len={scheduler_config.max_model_len} tokens, which needs "
+            f"{blocks_per_seq + 1} blocks of block_size={cache_config.block_size}; "
+            "lower max_model_len or give the KV cache more memory "
+            "(gpu_memory_utilization, num_gpu_blocks_override)"
+        )
 
 
 def _is_unforked_beam(request: Request) -> bool:

@@ -189,14 +189,15 @@ class SequenceState:
         return self.cumulative_logprob if finite else None
 
     def completion(self) -> CompletionOutput:
+        status = self.finished_status
         return CompletionOutput(
-            index=self.index,
-            text=self.detok.output_text,
-            token_ids=list(self.request.output_token_ids),
-            cumulative_logprob=self._cumulative_logprob(),
-            logprobs=self.logprobs,
-            finish_reason=self.finished_status.finish_reason if self.finished_status else None,
-            stop_reason=self.stop_reason,
+            self.index,
+            self.detok.output_text,
+            list(self.request.output_token_ids),
+            self._cumulative_logprob() if self.logprobs is not None else None,
+            self.logprobs,
+            status.finish_reason if status is not None else None,
+            self.stop_reason,
         )
 
 
@@ -229,11 +230,11 @@ class SequenceGroup:
         new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
         `final_only` (the offline API) the whole result, once finished."""
         kind, finished = self.params.output_kind, self.finished
-        if (final_only or kind == RequestOutputKind.FINAL_ONLY) and not finished:
+        if (final_only or kind is _FINAL_ONLY) and not finished:
             return None
         first = self.children[0]
         prompt_logprobs = first.prompt_logprobs
-        if kind == RequestOutputKind.DELTA and not final_only:
+        if kind is _DELTA and not final_only:
             if not finished and all(
                 c.sent_tokens == len(c.request.output_token_ids) for c in self.children
             ):
@@ -242,14 +243,20 @@ class SequenceGroup:
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
+        elif len(self.children) == 1:  # the common case: no list comprehension
+            completions = [first.completion()]
         else:
             completions = [c.completion() for c in self.children]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=first.request.num_cached_tokens or 0,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            prompt_logprobs,
+            completions,
+            finished,
+            first.request.num_cached_tokens or 0,
         )
+
+
+# Read once per request and step: a module constant, not an attribute of the enum class.
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
