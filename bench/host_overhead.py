@@ -35,7 +35,8 @@ from jvllm.engine.request import Request
 from jvllm.engine.scheduler import Scheduler
 from jvllm.layers.sampler import make_sampling_metadata
 from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
-from jvllm.runner.model_runner import MIN_TOKEN_BUCKET, StepResult
+from jvllm.runner.model_runner import MIN_TOKEN_BUCKET
+from jvllm.runner.step_result import StepResult
 from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
 from jvllm.testing.checkpoints import write_word_tokenizer
 

@@ -8,7 +8,8 @@ sizes. The target may be a compile-only device: an XLA:GPU topology built from a
 target description on a machine without a GPU (tests/gpu_compile builds an H200).
 
 What it relies on in `ModelRunner`, and nothing more: every device program is an
-attribute ending in `_fn` made with `jax.jit`; device arrays are made only by
+attribute ending in `_fn` (of the runner, or of its `blocks`, the `BlockCopier`) with a
+`lower` method, as `jax.jit`'s; device arrays are made only by
 `_allocate_cache` (the KV cache) and `_put` (host arrays to the device). Here the cache
 is ShapeDtypeStructs, `_put` keeps host arrays on the host, and each `_fn` call places
 its host arguments on the target (replicated on a mesh), compiles once per distinct
@@ -132,10 +133,11 @@ class CompileOnlyRunner(ModelRunner):
         self.shared_compiles = {} if shared_compiles is None else shared_compiles
         super().__init__(loaded, num_blocks, cache_config, scheduler_config, mesh)
         self.last_sampled = np.zeros(self.max_rows, np.int32)  # to_target places it
-        for attribute, value in list(vars(self).items()):
-            if attribute.endswith("_fn") and hasattr(value, "lower"):
-                name = attribute.strip("_").removesuffix("_fn")  # _forward_fn -> forward
-                setattr(self, attribute, _CompileOnCall(self, name, value))
+        for owner in (self, self.blocks):
+            for attribute, value in list(vars(owner).items()):
+                if attribute.endswith("_fn") and hasattr(value, "lower"):
+                    name = attribute.strip("_").removesuffix("_fn")  # _forward_fn -> forward
+                    setattr(owner, attribute, _CompileOnCall(self, name, value))
 
     @property
     def num_compilations(self) -> int:

@@ -1,6 +1,7 @@
 """ModelRunner: owns the parameters, the paged KV cache and the jitted step.
 
-The only place that moves data between host and device. Per step: one packed
+With `block_copies` (whole-block copies and swaps) and `step_result` (a step's one
+sync), the only place that moves data between host and device. Per step: one packed
 int32 buffer and the sampling arrays in; sampled tokens and logprobs out. The
 forward and the sampler are two jitted programs dispatched back to back with no
 host sync between them (the logits never leave the device), so sampling options
@@ -27,9 +28,8 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
 from jvllm.parallel.pipeline import run_pipeline, schedule_utilization
 from jvllm.parallel.step_channel import StepMessage, StepPublisher
+from jvllm.runner.block_copies import SWAP_BUCKETS, BlockCopier
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
@@ -63,59 +64,10 @@ from jvllm.runner.input_batch import (
     unpack_micro_batches,
 )
 from jvllm.runner.programs import ExecutableStore, Program, scope_digest
+from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
-# Block counts one swap copy program handles (padded up; larger swaps are chunked).
-SWAP_BUCKETS = (8, 32, 128)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Host copies of one step's sampler output, one entry per scheduled row."""
-
-    token_ids: np.ndarray  # [R] int32
-    logprobs: np.ndarray  # [R] float32
-    top_ids: np.ndarray  # [R, K] int32
-    top_logprobs: np.ndarray  # [R, K] float32
-    prompt_logprobs: list[PromptLogprobs] | None  # per row, when prompt logprobs were asked
-
-
-class PromptLogprobs(NamedTuple):
-    """Scores of one row's new positions under the next token's distribution."""
-
-    top_ids: np.ndarray  # [n, K] int32, best first
-    top_logprobs: np.ndarray  # [n, K] float32
-    target_logprobs: np.ndarray  # [n] float32: logprob of the given next token
-    target_ranks: np.ndarray  # [n] int32: 1 + tokens scored above it
-
-
-def split_by_row(per_token: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
-    """Cuts a `[T, ...]` per-token array into each row's `[n, ...]` slice."""
-    bounds = np.cumsum([0, *lengths])
-    return [per_token[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """A dispatched step whose outputs are still device arrays."""
-
-    out: sampler.SamplerOutput  # [S]-padded device arrays
-    prompt_logprobs: tuple[jax.Array, ...] | None  # [T, K], [T, K], [T], [T] when asked
-    row_lengths: tuple[int, ...]  # new tokens per real row
-    num_sampled: int  # real logits rows: one per row, 1 + k for a row verifying k drafts
-
-    def result(self) -> StepResult:
-        """Waits for the step and brings its outputs to the host (the one sync)."""
-        out, scored = jax.device_get((self.out, self.prompt_logprobs))
-        n = self.num_sampled
-        per_row = None
-        if scored is not None:
-            parts = [split_by_row(np.asarray(a), self.row_lengths) for a in scored]
-            per_row = [PromptLogprobs(*row) for row in zip(*parts, strict=True)]
-        return StepResult(
-            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], per_row
-        )
 
 
 class ModelRunner:
@@ -216,17 +168,9 @@ class ModelRunner:
         self._sample_fn = Program(self._sample, "sample", store)
         self._mask_fn = Program(self._apply_bitmask, "mask", store)
         self._all_logprobs_fn = Program(self._all_logprobs, "all_logprobs", store, fixed=(0,))
-        donate = ("caches",)
-        self._copy_fn = Program(
-            self._copy_blocks, "copy", store, donate_argnames=donate, fixed=(0,)
-        )
-        self.host_caches = self._allocate_host_cache(num_host_blocks)
-        self._gather_fn = Program(self._gather_blocks, "gather", store, fixed=(0,))
-        self._scatter_fn = Program(
-            self._scatter_blocks, "scatter", store, donate_argnames=donate, fixed=(0,)
-        )
-        # Swap-outs dispatched but not yet written into host_caches: (host ids, blocks).
-        self._pending_swap_out: list[tuple[np.ndarray, list[KVCache]]] = []
+        # Host block 0 is never used: the pool has one block more than it hands out.
+        host_shapes = self._layer_shapes(num_host_blocks + 1) if num_host_blocks else []
+        self.blocks = BlockCopier(self.pp, store, self._put, host_shapes, np.dtype(self.kv_dtype))
 
     @property
     def num_compilations(self) -> int:
@@ -237,9 +181,7 @@ class ModelRunner:
             self._sample_fn,
             self._mask_fn,
             self._all_logprobs_fn,
-            self._copy_fn,
-            self._gather_fn,
-            self._scatter_fn,
+            *self.blocks.programs,
         )
         return sum(len(fn.executables) for fn in jitted)
 
@@ -393,27 +335,6 @@ class ModelRunner:
         ranks = 1 + jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32)  # [T]
         return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
 
-    def _copy_blocks(self, caches: list[KVCache], src: jax.Array, dst: jax.Array) -> list[KVCache]:
-        return self._scatter_blocks(caches, dst, self._gather_blocks(caches, src))
-
-    def _blocks(self, ids: Any) -> Any:
-        """An index of blocks `ids` into a KV layer: its first axis, or with pipeline
-        stages ([pp, blocks, ...]) its second, every stage's."""
-        return (slice(None), ids) if self.pp > 1 else ids
-
-    def _gather_blocks(self, caches: list[KVCache], ids: jax.Array) -> list[KVCache]:
-        at = self._blocks(ids)
-        return [(k[at], v[at]) for k, v in caches]  # [n, block_size, kv_heads, head_dim]
-
-    def _scatter_blocks(
-        self, caches: list[KVCache], ids: jax.Array, blocks: list[KVCache]
-    ) -> list[KVCache]:
-        at = self._blocks(ids)
-        return [
-            (k.at[at].set(bk), v.at[at].set(bv))
-            for (k, v), (bk, bv) in zip(caches, blocks, strict=True)
-        ]
-
     # -- host side --
 
     def _layer_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
@@ -436,59 +357,18 @@ class ModelRunner:
         zeros = lambda shape: jnp.zeros(shape, self.kv_dtype, device=sharding)
         return [(zeros(shape), zeros(shape)) for shape in self._layer_shapes(num_blocks)]
 
-    def _allocate_host_cache(self, num_host_blocks: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Host block 0 is never used (the host pool's ids start at 1), and stays zero:
-        padding rows of a swap-in copy it into the null block."""
-        if not num_host_blocks:
-            return []
-        dtype = np.dtype(self.kv_dtype)
-        # np.zeros maps pages on first touch: the pool costs nothing until swaps fill it.
-        return [
-            (np.zeros(shape, dtype), np.zeros(shape, dtype))
-            for shape in self._layer_shapes(num_host_blocks + 1)
-        ]
+    @property
+    def host_caches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The host-memory pool of swapped-out blocks, per KV layer (empty: no swap)."""
+        return self.blocks.host_caches
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(device, host) copies of whole blocks: one gather per chunk, queued after every
-        step already dispatched (so it reads what they wrote) and before anything this
-        step writes; written into host memory when needed (`_flush_swap_out`)."""
-        for device_ids, host_ids in self._swap_chunks(pairs):
-            blocks = self._gather_fn(self.caches, self._put(device_ids))
-            for k, v in blocks:
-                k.copy_to_host_async()
-                v.copy_to_host_async()
-            self._pending_swap_out.append((host_ids, blocks))
+        """(device, host) block copies, queued before anything this step writes."""
+        self.blocks.swap_out(self.caches, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(host, device) copies of whole blocks, one scatter per chunk, queued before the
-        step's forward."""
-        self._flush_swap_out()
-        for host_ids, device_ids in self._swap_chunks(pairs):
-            at = self._blocks(host_ids)
-            blocks = [(k[at], v[at]) for k, v in self.host_caches]  # copies
-            self.caches = self._scatter_fn(self.caches, self._put(device_ids), self._put(blocks))
-
-    def _flush_swap_out(self) -> None:
-        # Waits for the gathers; by a swap-in's step, the steps they followed are done.
-        for host_ids, blocks in self._pending_swap_out:
-            real = host_ids != 0
-            to, of = self._blocks(host_ids[real]), self._blocks(real)
-            for (hk, hv), (k, v) in zip(self.host_caches, blocks, strict=True):
-                hk[to] = np.asarray(k)[of]
-                hv[to] = np.asarray(v)[of]
-        self._pending_swap_out.clear()
-
-    def _swap_chunks(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The pairs as (first ids, second ids) arrays padded to a SWAP_BUCKETS size with
-        (0, 0): padding reads and writes only the null blocks."""
-        chunks = []
-        largest = SWAP_BUCKETS[-1]
-        for lo in range(0, len(pairs), largest):
-            chunk = list(pairs[lo : lo + largest])
-            chunk += [(0, 0)] * (pick_bucket(len(chunk), SWAP_BUCKETS) - len(chunk))
-            first, second = np.array(chunk, np.int32).T
-            chunks.append((first, second))
-        return chunks
+        """(host, device) block copies, queued before the step's forward."""
+        self.caches = self.blocks.swap_in(self.caches, pairs)
 
     def _device_array(self, x: np.ndarray) -> jax.Array:
         """`x` on the device as a program's output of it would be placed. With offloaded
@@ -605,7 +485,7 @@ class ModelRunner:
         if self.publisher is not None:
             self._publish("copy", {}, pairs=pairs)
         src, dst = self._put(pairs)
-        self.caches = self._copy_fn(self.caches, src, dst)
+        self.caches = self.blocks.copy_fn(self.caches, src, dst)
 
     def _launch_propose(self, inputs: ProposalInputs) -> jax.Array:
         if self.publisher is not None:

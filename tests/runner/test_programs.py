@@ -15,8 +15,13 @@ import pytest
 from jvllm.runner.programs import ExecutableStore, Program
 
 
+# A constant new to every session: JAX's persistent cache (on in any process where an
+# engine ran before) never holds these programs, and the store writes fresh compiles only.
+SALT = float(np.random.default_rng().integers(1, 1 << 20))
+
+
 def step(params: dict, caches: list, x: jax.Array, shape: int, extra: jax.Array | None = None):
-    y = x * params["w"] + shape
+    y = x * params["w"] + shape + SALT
     if extra is not None:
         y = y + extra
     return y, [c + x.sum() for c in caches]

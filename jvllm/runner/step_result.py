@@ -1,0 +1,64 @@
+"""What one dispatched step hands back: the pending device outputs and their host copies.
+
+Owns the one sync of a step (`PendingStep.result()`) and the shapes of what the engine
+reads from it; not the programs that produce it (`model_runner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jvllm.layers import sampler
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's sampler output, one entry per scheduled row."""
+
+    token_ids: np.ndarray  # [R] int32
+    logprobs: np.ndarray  # [R] float32
+    top_ids: np.ndarray  # [R, K] int32
+    top_logprobs: np.ndarray  # [R, K] float32
+    prompt_logprobs: list[PromptLogprobs] | None  # per row, when prompt logprobs were asked
+
+
+class PromptLogprobs(NamedTuple):
+    """Scores of one row's new positions under the next token's distribution."""
+
+    top_ids: np.ndarray  # [n, K] int32, best first
+    top_logprobs: np.ndarray  # [n, K] float32
+    target_logprobs: np.ndarray  # [n] float32: logprob of the given next token
+    target_ranks: np.ndarray  # [n] int32: 1 + tokens scored above it
+
+
+def split_by_row(per_token: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Cuts a `[T, ...]` per-token array into each row's `[n, ...]` slice."""
+    bounds = np.cumsum([0, *lengths])
+    return [per_token[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose outputs are still device arrays."""
+
+    out: sampler.SamplerOutput  # [S]-padded device arrays
+    prompt_logprobs: tuple[jax.Array, ...] | None  # [T, K], [T, K], [T], [T] when asked
+    row_lengths: tuple[int, ...]  # new tokens per real row
+    num_sampled: int  # real logits rows: one per row, 1 + k for a row verifying k drafts
+
+    def result(self) -> StepResult:
+        """Waits for the step and brings its outputs to the host (the one sync)."""
+        out, scored = jax.device_get((self.out, self.prompt_logprobs))
+        n = self.num_sampled
+        per_row = None
+        if scored is not None:
+            parts = [split_by_row(np.asarray(a), self.row_lengths) for a in scored]
+            per_row = [PromptLogprobs(*row) for row in zip(*parts, strict=True)]
+        return StepResult(
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n], per_row
+        )
