@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
 from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MIN_TOKEN_BUCKET = 16
+# A forward's logits, hidden states, last input tokens and shape (`_run_forward`).
+_Forward = tuple[jax.Array, jax.Array, jax.Array, BatchShape]
 
 
 class ModelRunner:
@@ -616,21 +619,43 @@ class ModelRunner:
         )
         return split_by_row(every, [len(r.token_ids) for r in rows])
 
+    def _warm_up_sampling(self, forward: _Forward) -> None:
+        """Compiles and runs the sampler, bitmask and prompt-logprob programs of one
+        forward's shape."""
+        logits, hidden, last_input, shape = forward
+        greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
+        md = sampler.make_sampling_metadata([greedy], shape.logits_rows)
+        jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input, self.draft_probs))
+        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
+        mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))
+        jax.block_until_ready(self._mask_fn(logits, mask))
+        targets = self._put(np.zeros(shape.num_tokens, np.int32))
+        jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
+
     def warm_up(self) -> None:
         """Compiles every program serving can need (penalised sampling, and more than
-        MIN_BIAS_ENTRIES biased or banned tokens in one step, aside)."""
-        greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
-        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
-        for t in self.token_buckets:
-            # No real rows: every token is padding and writes into the null block.
-            logits, hidden, last_input, shape = self._run_forward([], self.batch_shape(t))
-            md = sampler.make_sampling_metadata([greedy], shape.logits_rows)
-            sampled = self._sample_fn(logits, self._put(md), last_input, self.draft_probs)
-            jax.block_until_ready(sampled)
-            mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))
-            jax.block_until_ready(self._mask_fn(logits, mask))
-            targets = self._put(np.zeros(shape.num_tokens, np.int32))
-            jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
+        MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
+
+        On the CPU backend each bucket's sampling programs compile and run in a second
+        thread while the next bucket's forward does: XLA compiles and runs without the
+        GIL, so a start keeps two cores busy (a cold start is mostly compiling). A device
+        keeps room for one step's activations only (`memory.activation_reserve`), so
+        there the buckets go one at a time."""
+        shapes = [self.batch_shape(t) for t in self.token_buckets]
+        # No real rows: every token is padding and writes into the null block.
+        if self.model.module.backend != "cpu":
+            for shape in shapes:
+                self._warm_up_sampling(self._run_forward([], shape))
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="jvllm-warm-up") as pool:
+                pending = None
+                for shape in shapes:
+                    forward = self._run_forward([], shape)  # beside the last one's sampling
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(self._warm_up_sampling, forward)
+                if pending is not None:
+                    pending.result()
         self.copy_blocks([(0, 0)])
         if self.drafter is not None:
             for size in self.proposal_buckets:
