@@ -636,14 +636,16 @@ class ModelRunner:
         """Compiles every program serving can need (penalised sampling, and more than
         MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
 
-        On the CPU backend each bucket's sampling programs compile and run in a second
-        thread while the next bucket's forward does: XLA compiles and runs without the
-        GIL, so a start keeps two cores busy (a cold start is mostly compiling). A device
-        keeps room for one step's activations only (`memory.activation_reserve`), so
-        there the buckets go one at a time."""
+        On one CPU device each bucket's sampling programs load and run in a second
+        thread while the next bucket's forward does: XLA runs them without the GIL, so a
+        start keeps two cores busy. Elsewhere the buckets go one at a time: a GPU keeps
+        room for one step's activations only (`memory.activation_reserve`), and on a
+        mesh every device must run the programs in one order (their collectives would
+        wait on each other)."""
         shapes = [self.batch_shape(t) for t in self.token_buckets]
         # No real rows: every token is padding and writes into the null block.
-        if self.model.module.backend != "cpu":
+        one_cpu = self.model.module.backend == "cpu" and self.mesh is None
+        if not one_cpu or jax.process_count() > 1:
             for shape in shapes:
                 self._warm_up_sampling(self._run_forward([], shape))
         else:
