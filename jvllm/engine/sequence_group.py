@@ -230,11 +230,11 @@ class SequenceGroup:
         new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
         `final_only` (the offline API) the whole result, once finished."""
         kind, finished = self.params.output_kind, self.finished
-        if (final_only or kind is _FINAL_ONLY) and not finished:
+        if (final_only or kind == _FINAL_ONLY) and not finished:
             return None
         first = self.children[0]
         prompt_logprobs = first.prompt_logprobs
-        if kind is _DELTA and not final_only:
+        if kind == _DELTA and not final_only:
             if not finished and all(
                 c.sent_tokens == len(c.request.output_token_ids) for c in self.children
             ):
