@@ -8,6 +8,7 @@ import pytest
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.detokenizer import IncrementalDetokenizer
+from jvllm.runner.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,11 @@ def test_unknown_llm_argument(checkpoints):
         LLM(str(checkpoints["llama"]), bogus=1)
 
 
-def test_model_len_too_big_for_cache_names_knob(checkpoints):
+def test_model_len_too_big_for_cache_names_knob(checkpoints, monkeypatch):
+    def warm_up(self: ModelRunner) -> None:
+        raise AssertionError("compiled before checking the KV cache's capacity")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", warm_up)
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         LLM(str(checkpoints["llama"]), max_model_len=512, num_gpu_blocks_override=8)
 
