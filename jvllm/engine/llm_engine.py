@@ -343,10 +343,7 @@ class LLMEngine:
             speculates = speculator is not None and state.constraints.grammar is None
             if row.samples:
                 num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
-                if num == 1:
-                    self._add_token(state, result, at[i])  # the common case
-                else:
-                    self._add_tokens(state, result, at[i], num)
+                self._add_tokens(state, result, at[i], num)
                 if speculates and state.finished_status is None:
                     # The newest token came from the row's num-th logits row.
                     drafting.append(StepSequence(state.request, state.seed, at[i] + num - 1, True))
@@ -379,13 +376,6 @@ class LLMEngine:
                 self.speculator.observe(k, emitted)
             next_at += 1 + k
         return at, verified
-
-    def _add_token(self, state: SequenceState, result: Any, at: int) -> None:
-        """Records the one token the scheduler appended (sampling row `at`); checks stops."""
-        self.generation_tokens += 1
-        outputs = state.request.output_token_ids
-        state.add_token(result, at, outputs[-1])
-        self._check_stop(state, len(outputs))
 
     def _add_tokens(self, state: SequenceState, result: Any, at: int, num: int) -> None:
         """Records the `num` tokens the scheduler appended (sampling rows at, at + 1, ...),

@@ -286,7 +286,7 @@ class Scheduler:
         )
 
     def _schedule_running(self, step: _Step) -> None:
-        kv, running = self.kv_cache_manager, self.running
+        running = self.running
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -315,10 +315,7 @@ class Scheduler:
             drafts = (
                 self._lookahead(request, num_new, step.budget) if request.spec_token_ids else []
             )
-            if not drafts and not (
-                kv.allocate_slots(request, num_new)
-                or self._allocate(step, request, num_new, [request])
-            ):
+            if not drafts and not self._allocate(step, request, num_new, [request]):
                 return
             self._add_row(step, request, num_new, drafts)
 

@@ -194,7 +194,7 @@ class SequenceState:
             self.index,
             self.detok.output_text,
             list(self.request.output_token_ids),
-            self._cumulative_logprob() if self.logprobs is not None else None,
+            self._cumulative_logprob(),
             self.logprobs,
             status.finish_reason if status is not None else None,
             self.stop_reason,
@@ -243,8 +243,6 @@ class SequenceGroup:
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
-        elif len(self.children) == 1:  # the common case: no list comprehension
-            completions = [first.completion()]
         else:
             completions = [c.completion() for c in self.children]
         return RequestOutput(

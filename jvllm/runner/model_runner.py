@@ -111,7 +111,7 @@ class ModelRunner:
         # Multi-host serving's leader: where each launch is published for the followers.
         self.publisher: StepPublisher | None = None
         # The last forward's logits, hidden states, last input tokens and shape.
-        self._last_forward: tuple[jax.Array, jax.Array, jax.Array, BatchShape] | None = None
+        self._last_forward: _Forward | None = None
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
@@ -644,8 +644,7 @@ class ModelRunner:
         wait on each other)."""
         shapes = [self.batch_shape(t) for t in self.token_buckets]
         # No real rows: every token is padding and writes into the null block.
-        one_cpu = self.model.module.backend == "cpu" and self.mesh is None
-        if not one_cpu or jax.process_count() > 1:
+        if self.model.module.backend != "cpu" or self.mesh is not None:
             for shape in shapes:
                 self._warm_up_sampling(self._run_forward([], shape))
         else:

@@ -14,7 +14,6 @@ import pytest
 
 from jvllm.runner.programs import ExecutableStore, Program
 
-
 # A constant new to every session: JAX's persistent cache (on in any process where an
 # engine ran before) never holds these programs, and the store writes fresh compiles only.
 SALT = float(np.random.default_rng().integers(1, 1 << 20))
