@@ -33,6 +33,7 @@ from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
+from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
 from jvllm.parallel import step_channel
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
@@ -165,6 +166,8 @@ class EngineArgs:
         backend = _resolve_backend(self.attention_backend)
         offload = int(self.cpu_offload_gb * memory.GIB)
         loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization, offload)
+        if transposes_weights(loaded.spec, mesh, loaded.num_offloaded_layers):
+            loaded = process_weights_after_loading(loaded)
         logger.info(
             "Model weights: %.1f MiB (quantization: %s)",
             loaded.weight_bytes / 2**20,
@@ -369,6 +372,8 @@ def _load_draft(
             "target's tokenizer"
         )
     _check_draft_length(path, draft, max_model_len)
+    if transposes_weights(draft.spec, mesh):
+        draft = process_weights_after_loading(draft)
     if any(Path(path).glob("tokenizer*")):
         from transformers import AutoTokenizer
 

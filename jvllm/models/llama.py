@@ -4,7 +4,9 @@ Owns the forward pass over a flattened ragged batch and one paged KV cache per
 layer. The architectures differ only in switches carried by `ModelSpec`
 (q/k/v bias, per-head q/k RMSNorm, sliding window, tied embeddings).
 Parameter names mirror the Hugging Face checkpoint (`model.layers_0.self_attn...`)
-and weights keep its `[out, in]` layout, so loading never transposes.
+and weights keep its `[out, in]` layout, so loading never transposes; on a CPU the
+float weights are then turned to `[in, out]` (`spec.transposed_weights`, see
+`weight_layout.py`).
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ class Linear(nn.Module):
     use_bias: bool
     dtype: jnp.dtype
     quantization: str | PackedWeights | FloatWeights | BlockFloatWeights | None = None
+    transposed: bool = False  # a float W held `[in, out]`
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (self.features, x.shape[-1])
-        if self.quantization is None:
+        if self.transposed:
+            assert self.quantization is None, "only float weights are transposed"
+            w = param(self, "weight", _init, shape[::-1], self.dtype)
+            y = jnp.einsum("...i,io->...o", x, w)
+        elif self.quantization is None:
             y = jnp.einsum("...i,oi->...o", x, param(self, "weight", _init, shape, self.dtype))
         elif isinstance(self.quantization, (PackedWeights, BlockFloatWeights)):
             w = dequantized_weight(self, self.quantization, self.features, x.shape[-1], self.dtype)
@@ -95,15 +102,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         s, t = self.spec, x.shape[0]
-        q = Linear(s.num_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="q_proj")(
-            x
+        linear = functools.partial(
+            Linear, dtype=self.dtype, quantization=s.quantization, transposed=s.transposed_weights
         )
-        k = Linear(
-            s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="k_proj"
-        )(x)
-        v = Linear(
-            s.num_kv_heads * s.head_dim, s.qkv_bias, self.dtype, s.quantization, name="v_proj"
-        )(x)
+        q = linear(s.num_heads * s.head_dim, s.qkv_bias, name="q_proj")(x)
+        k = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="k_proj")(x)
+        v = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="v_proj")(x)
         q = q.reshape(t, s.num_heads, s.head_dim)  # [T, Hq, D]
         k = k.reshape(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
@@ -130,9 +134,7 @@ class Attention(nn.Module):
                 check_vma=False,
             )
         out, cache = attend(q, k, v, cache, meta)
-        out = Linear(s.hidden_size, s.o_bias, self.dtype, s.quantization, name="o_proj")(
-            out.reshape(t, -1)
-        )
+        out = linear(s.hidden_size, s.o_bias, name="o_proj")(out.reshape(t, -1))
         return out, cache
 
 
@@ -143,13 +145,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
-        gate = Linear(
-            s.intermediate_size, s.mlp_bias, self.dtype, s.quantization, name="gate_proj"
-        )(x)
-        up = Linear(s.intermediate_size, s.mlp_bias, self.dtype, s.quantization, name="up_proj")(x)
-        return Linear(s.hidden_size, s.mlp_bias, self.dtype, s.quantization, name="down_proj")(
-            jax.nn.silu(gate) * up
+        linear = functools.partial(
+            Linear, dtype=self.dtype, quantization=s.quantization, transposed=s.transposed_weights
         )
+        gate = linear(s.intermediate_size, s.mlp_bias, name="gate_proj")(x)
+        up = linear(s.intermediate_size, s.mlp_bias, name="up_proj")(x)
+        return linear(s.hidden_size, s.mlp_bias, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -228,7 +229,9 @@ class CausalLM(nn.Module):
     def setup(self) -> None:
         self.model = DecoderModel(self.spec, self.dtype, self.backend, self.mesh)
         if not self.spec.tie_word_embeddings:
-            self.lm_head = LMHead(self.spec.vocab_size, self.dtype, self.mesh)
+            self.lm_head = LMHead(
+                self.spec.vocab_size, self.dtype, self.mesh, self.spec.transposed_weights
+            )
 
     def __call__(
         self,
@@ -274,15 +277,22 @@ def stage_forward(
 
 
 class LMHead(nn.Module):
-    """`lm_head.weight` `[V, H]`, vocab-parallel on a mesh when V divides."""
+    """`lm_head.weight` `[V, H]` (`[H, V]` when `transposed`, on one device only),
+    vocab-parallel on a mesh when V divides."""
 
     vocab_size: int
     dtype: jnp.dtype
     mesh: Mesh | None = None
+    transposed: bool = False
 
     @nn.compact
     def __call__(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
-        w = param(self, "weight", _init, (self.vocab_size, hidden.shape[-1]), self.dtype)
+        shape = (self.vocab_size, hidden.shape[-1])
+        if self.transposed:
+            assert self.mesh is None, "a transposed lm_head is not split over a mesh"
+            w = param(self, "weight", _init, shape[::-1], self.dtype)  # [H, V]
+            return jnp.einsum("rh,hv->rv", hidden, w, preferred_element_type=jnp.float32)
+        w = param(self, "weight", _init, shape, self.dtype)
         return vocab_projection(hidden, w, self.mesh)
 
 

@@ -50,6 +50,9 @@ class ModelSpec:
     # Linear weights quantized at load ("int8", "fp8"), or a compressed-tensors
     # checkpoint's packed weights (a models.quantization.PackedWeights).
     quantization: Any = None
+    # Float linear and lm_head weights held `[in, out]`, the layout XLA:CPU's matmuls
+    # read fastest; set after loading by `models.weight_layout`, never by a checkpoint.
+    transposed_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

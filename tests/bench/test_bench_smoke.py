@@ -119,6 +119,23 @@ def test_device_idle_small(tmp_path: Path) -> None:
     assert 0 < r["idle_s"] < r["wall_s"] and 0 < r["idle_fraction"] < 1
 
 
+def test_weight_layout_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both layouts time every case, and their logits agree to float32 rounding."""
+    from bench import weight_layout
+
+    out = tmp_path / "layout.json"
+    argv = ["--cases", "2x20,3x40", "--reps", "2", "--models-dir", str(tmp_path)]
+    result = weight_layout.main([*argv, "--output", str(out)])
+    assert "wall [in,out]" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["cases"] == result["cases"]
+    assert [(c["rows"], c["context"]) for c in written["cases"]] == [(2, 20), (3, 40)]
+    for case in written["cases"]:
+        for key in ("wall_ms", "cpu_ms"):
+            assert set(case[key]) == {"out_in", "in_out"} and min(case[key].values()) > 0
+        assert case["max_logit_diff"] < 1e-4
+
+
 def test_plot_writes_pngs(tmp_path: Path) -> None:
     from bench import plot
 
