@@ -1,7 +1,8 @@
 """ModelRunner: owns the parameters, the paged KV cache and the jitted step.
 
 With `block_copies` (whole-block copies and swaps) and `step_result` (a step's one
-sync), the only place that moves data between host and device. Per step: one packed
+sync), the only place that moves data between host and device; what each program
+computes on the device is `step_programs`'. Per step: one packed
 int32 buffer and the sampling arrays in; sampled tokens and logprobs out. The
 forward and the sampler are two jitted programs dispatched back to back with no
 host sync between them (the logits never leave the device), so sampling options
@@ -25,7 +26,6 @@ hold (compiled, or read from the `ExecutableStore` of an earlier start), one per
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,10 +45,9 @@ from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
 from jvllm.layers.sampler import SamplingRow
 from jvllm.models.eagle import EagleHead
-from jvllm.models.llama import stage_forward
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
-from jvllm.parallel.pipeline import run_pipeline, schedule_utilization
+from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.parallel.step_channel import StepMessage, StepPublisher
 from jvllm.runner.block_copies import SWAP_BUCKETS, BlockCopier
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
@@ -61,12 +60,11 @@ from jvllm.runner.input_batch import (
     pick_bucket,
     pow2_buckets,
     token_buckets,
-    unpack,
-    unpack_micro_batches,
 )
 from jvllm.runner.programs import ExecutableStore, Program, scope_digest
+from jvllm.runner.step_programs import StepPrograms
 from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
-from jvllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jvllm.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16
 # A forward's logits, hidden states, last input tokens and shape (`_run_forward`).
@@ -135,12 +133,21 @@ class ModelRunner:
         # The largest logits-row bucket.
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
         # Offloaded weights (cpu_offload_gb): parameter path -> its device-memory sharding.
-        self._bring_in_shardings = {
+        bring_in_shardings = {
             jax.tree_util.keystr(path): leaf.sharding.with_memory_kind("device")
             for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params)
             if getattr(leaf, "sharding", None) is not None
             and leaf.sharding.memory_kind == HOST_MEMORY
         }
+        q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
+        self.step_programs = StepPrograms(
+            model=loaded,
+            drafter=self.drafter,
+            mesh=mesh,
+            max_rows=self.max_rows,
+            draft_probs_shape=q_shape if self.drafter is not None else None,
+            bring_in_shardings=bring_in_shardings,
+        )
         self.caches = self._allocate_cache(num_blocks)
         store = self.executable_store = self._executable_store(executable_dir)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
@@ -150,27 +157,31 @@ class ModelRunner:
         if self.drafter is not None:
             # Row counts of the proposal programs: 1, 4, 16, ... max_num_seqs.
             self.proposal_buckets = pow2_buckets(1, self.max_num_seqs, ratio=4)
-            q_shape = (self.max_num_seqs * num_lookahead_tokens, loaded.spec.vocab_size)
             q = np.zeros(q_shape, np.float32)  # on the device, as what replaces it
             self.draft_probs = self._device_array(q)
             self._propose_fn = Program(
-                self._propose, "propose", store, donate_argnames=("caches",), fixed=(0, 1, 2)
+                self.step_programs.propose,
+                "propose",
+                store,
+                donate_argnames=("caches",),
+                fixed=(0, 1, 2),
             )
         zeros = np.zeros(self.max_rows, np.int32)  # [R]
         # A device array, like the sampler output that replaces it every step: a host
         # array here would give every forward bucket a second program at serve time.
         self.last_sampled = self._device_array(zeros)
+        programs = self.step_programs
         self._forward_fn = Program(
-            self._forward,
+            programs.forward,
             "forward",
             store,
             static_argnames=("shape",),
             donate_argnames=("caches",),
             fixed=(0, 1),
         )
-        self._sample_fn = Program(self._sample, "sample", store)
-        self._mask_fn = Program(self._apply_bitmask, "mask", store)
-        self._all_logprobs_fn = Program(self._all_logprobs, "all_logprobs", store, fixed=(0,))
+        self._sample_fn = Program(programs.sample, "sample", store)
+        self._mask_fn = Program(programs.apply_bitmask, "mask", store)
+        self._all_logprobs_fn = Program(programs.all_logprobs, "all_logprobs", store, fixed=(0,))
         # Host block 0 is never used: the pool has one block more than it hands out.
         host_shapes = self._layer_shapes(num_host_blocks + 1) if num_host_blocks else []
         self.blocks = BlockCopier(self.pp, store, self._put, host_shapes, np.dtype(self.kv_dtype))
@@ -209,134 +220,9 @@ class ModelRunner:
             self.num_lookahead_tokens,
             self.num_micro,
             self.mesh,
-            sorted(self._bring_in_shardings.items()),
+            sorted(self.step_programs.bring_in_shardings.items()),
         )
         return ExecutableStore(directory, scope_digest(configuration))
-
-    # -- device programs --
-
-    def _forward(
-        self,
-        params: Any,
-        caches: list[KVCache],
-        packed: jax.Array,
-        last_sampled: jax.Array,
-        shape: BatchShape,
-        draft_params: Any = None,
-    ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
-        params = self._bring_in(params)
-        module = self.model.module
-        split = self.num_target_layers
-        if self.pp > 1:
-            hidden, token_ids, logits_indices, target_caches = self._pipeline_forward(
-                params, caches, packed, last_sampled, shape
-            )
-        else:
-            inp = unpack(packed, shape, last_sampled)
-            hidden, target_caches = module.apply(
-                {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
-            )
-            token_ids, logits_indices = inp.token_ids, inp.logits_indices
-        draft_caches = caches[split:]
-        if self.drafter is not None:
-            draft_caches = self.drafter.write_kv(draft_params, params, draft_caches, inp, hidden)
-        last = hidden[logits_indices]  # [S, H]
-        logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
-        last_inputs = token_ids[logits_indices]  # [S]
-        features = None
-        if isinstance(self.drafter, EagleDrafter):
-            features = jnp.zeros((self.max_rows, last.shape[-1]), last.dtype)
-            features = features.at[: last.shape[0]].set(last)
-            if self.mesh is not None:
-                features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
-        return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
-
-    def _pipeline_forward(
-        self,
-        params: Any,
-        caches: list[KVCache],
-        packed: jax.Array,
-        last_sampled: jax.Array,
-        shape: BatchShape,
-    ) -> tuple[jax.Array, jax.Array, jax.Array, list[KVCache]]:
-        """The target's forward through the pipeline stages (`jvllm.parallel.pipeline`):
-        final-norm hidden states `[T, H]` and input tokens `[T]` in row order, the logits
-        indices, and the caches."""
-        assert self.mesh is not None
-        module = self.model.module
-        inp, token_index, logits_indices = unpack_micro_batches(packed, shape, last_sampled)
-        x = module.apply({"params": params}, inp.token_ids, method=module.embed)  # [M, Tm, H]
-        per_stage = self.spec.num_layers // self.pp
-        layers = [params["model"][f"layers_{j}"] for j in range(per_stage)]
-        busy = inp.attn.query_start_loc[:, -1] > 0  # [M]: an empty micro-batch skips
-        stage = functools.partial(stage_forward, module)
-        out, caches = run_pipeline(
-            stage, self.mesh, layers, caches, x, (inp.positions, inp.attn), busy
-        )
-        hidden = out.reshape(-1, out.shape[-1])[token_index]  # [T, H] in row order
-        hidden = module.apply({"params": params}, hidden, method=module.final_norm)
-        return hidden, inp.token_ids.reshape(-1)[token_index], logits_indices, caches
-
-    def _bring_in(self, params: Any) -> Any:
-        """The offloaded layers' weights copied from host memory into the step (XLA
-        schedules the copies); the rest as they are."""
-        if not self._bring_in_shardings:
-            return params
-
-        def move(path: Any, leaf: jax.Array) -> jax.Array:
-            target = self._bring_in_shardings.get(jax.tree_util.keystr(path))
-            return leaf if target is None else jax.device_put(leaf, target)
-
-        return jax.tree_util.tree_map_with_path(move, params)
-
-    def _propose(
-        self,
-        params: Any,
-        target_params: Any,
-        caches: list[KVCache],
-        rows: ProposalInputs,
-        features: jax.Array | None,
-    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        """The proposer's drafts (`Drafter.propose`), its q rows padded to [Q, V]."""
-        assert self.drafter is not None and self.draft_probs is not None
-        split = self.num_target_layers
-        drafts, q, draft_caches = self.drafter.propose(
-            params, target_params, caches[split:], rows, features
-        )
-        padded = jnp.zeros(self.draft_probs.shape, jnp.float32).at[: q.shape[0]].set(q)
-        if self.mesh is not None:
-            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
-        return drafts, padded, [*caches[:split], *draft_caches]
-
-    def _sample(
-        self,
-        logits: jax.Array,
-        md: sampler.SamplingMetadata,
-        last_input: jax.Array,
-        draft_probs: jax.Array | None = None,
-    ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        out = sampler.sample(logits, md, last_input, draft_probs)
-        padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
-        if self.mesh is not None:  # placed as the forward expects it: no second program
-            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
-        return out, padded  # padded [R]: the next step's placeholders read it
-
-    def _apply_bitmask(self, logits: jax.Array, bitmask: jax.Array) -> jax.Array:
-        # A method, as every program here: each runner counts its own compilations.
-        return sampler.apply_token_bitmask(logits, bitmask)
-
-    def _all_logprobs(
-        self, params: Any, hidden: jax.Array, targets: jax.Array
-    ) -> tuple[jax.Array, ...]:
-        """Every position's top-K logprobs and the logprob and rank of `targets` `[T]`
-        (the next prompt token; any id where unused): only these leave the device."""
-        module = self.model.module
-        logits = module.apply({"params": params}, hidden, method=module.logits)
-        logprobs = jax.nn.log_softmax(logits)  # [T, V]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
-        target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
-        ranks = 1 + jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32)  # [T]
-        return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
 
     # -- host side --
 
@@ -383,7 +269,7 @@ class ModelRunner:
 
     def _device_memory(self) -> SingleDeviceSharding | None:
         """Device memory, named when weights are offloaded (see `_device_array`)."""
-        if not self._bring_in_shardings:
+        if not self.step_programs.bring_in_shardings:
             return None
         return SingleDeviceSharding(jax.local_devices()[0], memory_kind="device")
 

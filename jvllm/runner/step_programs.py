@@ -1,0 +1,173 @@
+"""The bodies of the runner's jitted programs: the forward (one stage, or pipelined),
+a draft proposal, the sampler with its padded token row, the grammar bitmask and
+prompt logprobs.
+
+Owns what each program computes on the device, as a pure function of its arguments and
+of the fixed configuration held here (model, drafter, mesh, row bucket). Not owned:
+compiling and storing them (`programs.Program`), choosing shapes, moving data to and
+from the device, or when they run (`model_runner.ModelRunner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jvllm.layers import sampler
+from jvllm.layers.attention import KVCache
+from jvllm.models.llama import stage_forward
+from jvllm.models.loader import LoadedModel
+from jvllm.parallel.mesh import pp_size, replicated
+from jvllm.parallel.pipeline import run_pipeline
+from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
+from jvllm.runner.input_batch import BatchShape, unpack, unpack_micro_batches
+from jvllm.sampling_params import MAX_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jit needs
+class StepPrograms:
+    model: LoadedModel
+    drafter: Drafter | None
+    mesh: Mesh | None
+    max_rows: int  # the largest logits-row bucket: the sampled-token row's length
+    # [Q, V]: a proposal's q rows, padded (None without a drafter).
+    draft_probs_shape: tuple[int, int] | None
+    # Offloaded weights (cpu_offload_gb): parameter path -> its device-memory sharding.
+    bring_in_shardings: dict[str, Any]
+
+    @property
+    def pp(self) -> int:
+        return pp_size(self.mesh)
+
+    @property
+    def num_target_layers(self) -> int:
+        return self.model.spec.num_layers
+
+    def forward(
+        self,
+        params: Any,
+        caches: list[KVCache],
+        packed: jax.Array,
+        last_sampled: jax.Array,
+        shape: BatchShape,
+        draft_params: Any = None,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
+        params = self.bring_in(params)
+        module = self.model.module
+        split = self.num_target_layers
+        if self.pp > 1:
+            hidden, token_ids, logits_indices, target_caches = self.pipeline_forward(
+                params, caches, packed, last_sampled, shape
+            )
+        else:
+            inp = unpack(packed, shape, last_sampled)
+            hidden, target_caches = module.apply(
+                {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
+            )
+            token_ids, logits_indices = inp.token_ids, inp.logits_indices
+        draft_caches = caches[split:]
+        if self.drafter is not None:
+            draft_caches = self.drafter.write_kv(draft_params, params, draft_caches, inp, hidden)
+        last = hidden[logits_indices]  # [S, H]
+        logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
+        last_inputs = token_ids[logits_indices]  # [S]
+        features = None
+        if isinstance(self.drafter, EagleDrafter):
+            features = jnp.zeros((self.max_rows, last.shape[-1]), last.dtype)
+            features = features.at[: last.shape[0]].set(last)
+            if self.mesh is not None:
+                features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
+        return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
+
+    def pipeline_forward(
+        self,
+        params: Any,
+        caches: list[KVCache],
+        packed: jax.Array,
+        last_sampled: jax.Array,
+        shape: BatchShape,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, list[KVCache]]:
+        """The target's forward through the pipeline stages (`jvllm.parallel.pipeline`):
+        final-norm hidden states `[T, H]` and input tokens `[T]` in row order, the logits
+        indices, and the caches."""
+        assert self.mesh is not None
+        module = self.model.module
+        inp, token_index, logits_indices = unpack_micro_batches(packed, shape, last_sampled)
+        x = module.apply({"params": params}, inp.token_ids, method=module.embed)  # [M, Tm, H]
+        per_stage = self.model.spec.num_layers // self.pp
+        layers = [params["model"][f"layers_{j}"] for j in range(per_stage)]
+        busy = inp.attn.query_start_loc[:, -1] > 0  # [M]: an empty micro-batch skips
+        stage = functools.partial(stage_forward, module)
+        out, caches = run_pipeline(
+            stage, self.mesh, layers, caches, x, (inp.positions, inp.attn), busy
+        )
+        hidden = out.reshape(-1, out.shape[-1])[token_index]  # [T, H] in row order
+        hidden = module.apply({"params": params}, hidden, method=module.final_norm)
+        return hidden, inp.token_ids.reshape(-1)[token_index], logits_indices, caches
+
+    def bring_in(self, params: Any) -> Any:
+        """The offloaded layers' weights copied from host memory into the step (XLA
+        schedules the copies); the rest as they are."""
+        if not self.bring_in_shardings:
+            return params
+
+        def move(path: Any, leaf: jax.Array) -> jax.Array:
+            target = self.bring_in_shardings.get(jax.tree_util.keystr(path))
+            return leaf if target is None else jax.device_put(leaf, target)
+
+        return jax.tree_util.tree_map_with_path(move, params)
+
+    def propose(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """The proposer's drafts (`Drafter.propose`), its q rows padded to [Q, V]."""
+        assert self.drafter is not None and self.draft_probs_shape is not None
+        split = self.num_target_layers
+        drafts, q, draft_caches = self.drafter.propose(
+            params, target_params, caches[split:], rows, features
+        )
+        padded = jnp.zeros(self.draft_probs_shape, jnp.float32).at[: q.shape[0]].set(q)
+        if self.mesh is not None:
+            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        return drafts, padded, [*caches[:split], *draft_caches]
+
+    def sample(
+        self,
+        logits: jax.Array,
+        md: sampler.SamplingMetadata,
+        last_input: jax.Array,
+        draft_probs: jax.Array | None = None,
+    ) -> tuple[sampler.SamplerOutput, jax.Array]:
+        out = sampler.sample(logits, md, last_input, draft_probs)
+        padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+        if self.mesh is not None:  # placed as the forward expects it: no second program
+            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        return out, padded  # padded [R]: the next step's placeholders read it
+
+    def apply_bitmask(self, logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+        # A method, as every program here: each runner's Programs count their own
+        # compilations.
+        return sampler.apply_token_bitmask(logits, bitmask)
+
+    def all_logprobs(
+        self, params: Any, hidden: jax.Array, targets: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        """Every position's top-K logprobs and the logprob and rank of `targets` `[T]`
+        (the next prompt token; any id where unused): only these leave the device."""
+        module = self.model.module
+        logits = module.apply({"params": params}, hidden, method=module.logits)
+        logprobs = jax.nn.log_softmax(logits)  # [T, V]
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+        target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [T, 1]
+        ranks = 1 + jnp.sum(logprobs > target, axis=-1, dtype=jnp.int32)  # [T]
+        return top_ids.astype(jnp.int32), top_logprobs, target[:, 0], ranks
