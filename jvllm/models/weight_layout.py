@@ -3,7 +3,7 @@
 
 Checkpoints store each linear weight `[out, in]`, and the loaders, quantized formats and
 tensor-parallel placement all keep that layout. On a CPU, XLA's matmuls read `[in, out]`
-faster: the `peer` bench model's decode forward at 16 and 48 rows took 9-15% less wall
+faster: the `peer` bench model's decode forward at 16 and 48 rows took 5-15% less wall
 and CPU time with every float linear weight and the lm_head turned. So a loaded
 single-device, unquantized model on a CPU is turned once here, and its spec says so
 (`transposed_weights`). Embeddings (looked up by row, and the lm_head of tied models)
