@@ -26,7 +26,7 @@ from jvllm.models.spec import ModelSpec
 def transposes_weights(spec: ModelSpec, mesh: Mesh | None, num_offloaded_layers: int = 0) -> bool:
     """One CPU device, float weights, none kept in host memory. (A mesh splits weights by
     their `[out, in]` axes; quantized formats carry per-output scales in their own
-    layouts; a GPU's matmuls take either layout.)"""
+    layouts; on a GPU the gain is unmeasured, so the checkpoint's layout stays.)"""
     on_cpu = jax.local_devices()[0].platform == "cpu"
     return on_cpu and mesh is None and spec.quantization is None and num_offloaded_layers == 0
 
