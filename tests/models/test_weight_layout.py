@@ -21,12 +21,17 @@ from tests.test_llm import hf_greedy
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _leaves(params) -> dict[tuple[str, ...], np.ndarray]:
+    """Parameter path -> host copy."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves}
+
+
 def test_linear_weights_and_lm_head_are_the_checkpoints_transposed(arch, checkpoints):
     loaded = load_model(checkpoints[arch])
     turned = process_weights_after_loading(load_model(checkpoints[arch]))
     assert turned.spec.transposed_weights and not loaded.spec.transposed_weights
-    flat = dict(_leaves(loaded.params))
-    turned_flat = dict(_leaves(turned.params))
+    flat, turned_flat = _leaves(loaded.params), _leaves(turned.params)
     assert flat.keys() == turned_flat.keys()
     transposed = [p for p in flat if p[-1] == "weight" and (p[-2] in LINEAR or p[0] == "lm_head")]
     # 7 per layer, plus lm_head unless tied (qwen2's test checkpoint ties it).
@@ -35,13 +40,6 @@ def test_linear_weights_and_lm_head_are_the_checkpoints_transposed(arch, checkpo
     for path, ours in turned_flat.items():
         theirs = flat[path].T if path in transposed else flat[path]
         np.testing.assert_array_equal(ours, theirs, err_msg=".".join(path))
-
-
-def _leaves(params) -> list[tuple[tuple[str, ...], np.ndarray]]:
-    pairs = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        pairs.append((tuple(k.key for k in path), np.asarray(leaf)))
-    return pairs
 
 
 @pytest.mark.parametrize("length", [1, 17])
