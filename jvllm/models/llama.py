@@ -12,7 +12,7 @@ float weights are then turned to `[in, out]` (`spec.transposed_weights`, see
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -74,6 +74,14 @@ class Linear(nn.Module):
         return y
 
 
+def spec_linear(spec: ModelSpec, dtype: jnp.dtype) -> Callable[..., Linear]:
+    """`Linear` with the spec's quantization and weight layout: call it with features,
+    use_bias and name."""
+    return functools.partial(
+        Linear, dtype=dtype, quantization=spec.quantization, transposed=spec.transposed_weights
+    )
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
@@ -102,9 +110,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         s, t = self.spec, x.shape[0]
-        linear = functools.partial(
-            Linear, dtype=self.dtype, quantization=s.quantization, transposed=s.transposed_weights
-        )
+        linear = spec_linear(s, self.dtype)
         q = linear(s.num_heads * s.head_dim, s.qkv_bias, name="q_proj")(x)
         k = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="k_proj")(x)
         v = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="v_proj")(x)
@@ -145,9 +151,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
-        linear = functools.partial(
-            Linear, dtype=self.dtype, quantization=s.quantization, transposed=s.transposed_weights
-        )
+        linear = spec_linear(s, self.dtype)
         gate = linear(s.intermediate_size, s.mlp_bias, name="gate_proj")(x)
         up = linear(s.intermediate_size, s.mlp_bias, name="up_proj")(x)
         return linear(s.hidden_size, s.mlp_bias, name="down_proj")(jax.nn.silu(gate) * up)
