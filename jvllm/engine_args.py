@@ -8,6 +8,7 @@ through here, so their flags and keyword arguments stay the same.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -470,13 +471,46 @@ def _resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
     return requested
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+# Model types whose checkpoints Transformers 5's AutoTokenizer gives the generic fast
+# tokenizer when their tokenizer_config.json names a generic class (`load_tokenizer`);
+# not qwen2, which it gives Qwen2Tokenizer whatever the file says.
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3"})
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer, as `AutoTokenizer.from_pretrained` loads it.
+
+    Where AutoTokenizer would pick the generic fast tokenizer anyway (a tokenizer.json, a
+    generic `tokenizer_class`, no custom code, a model type without a tokenizer of its
+    own), that class is loaded directly: AutoTokenizer's import also imports torch,
+    seconds of a start that serving never uses."""
     try:
+        if _loads_generic_tokenizer(Path(path)):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+
+
+def _loads_generic_tokenizer(path: Path) -> bool:
+    if int(importlib.metadata.version("transformers").split(".")[0]) < 5:
+        return False
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (
+        (path / "tokenizer.json").is_file()
+        and tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tokenizer_config
+        and model_type in _GENERIC_TOKENIZER_MODEL_TYPES
+    )
 
 
 def eos_token_ids(model_dir: Path, spec: ModelSpec, tokenizer: Any) -> set[int]:
