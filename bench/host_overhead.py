@@ -7,6 +7,11 @@ packed int32 buffer, `make_sampling_metadata`), and `update_from_output()`; then
 figure adds the engine's bookkeeping and incremental detokenization). The goal figure is
 schedule + input preparation, in microseconds per step.
 
+Everything runs with the collector as serving sets it (`jvllm.engine.gc_heap.serving_gc`,
+as in `LLM.generate` and `jvllm serve`); `--gc default` keeps CPython's settings, for
+comparison. The table gives medians, and the mean of `engine.step`, which the full
+collections land in.
+
     python bench/host_overhead.py
 """
 
@@ -19,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import contextlib
 import math
 import statistics
 import tempfile
@@ -30,6 +36,7 @@ import numpy as np
 
 from bench import common
 from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.request import Request
 from jvllm.engine.scheduler import Scheduler
@@ -58,6 +65,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         choices=[k.name.lower() for k in RequestOutputKind],
         default="cumulative",
         help="what each step's RequestOutput holds (SamplingParams.output_kind)",
+    )
+    p.add_argument(
+        "--gc",
+        choices=["serving", "default"],
+        default="serving",
+        help="the collector as serving sets it (frozen heap, gen-0 threshold raised), or "
+        "CPython's default",
     )
     p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "host_overhead.json")
     args = p.parse_args(argv)
@@ -210,16 +224,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write_word_tokenizer(Path(tmp), args.vocab_size)
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     rows = []
+    collector = serving_gc if args.gc == "serving" else contextlib.nullcontext
     for n in args.num_seqs:
         setup = Setup(args, n)
-        comp = time_components(setup)
+        with collector():
+            comp = time_components(setup)
         total = [
             sum(parts)
             for parts in zip(comp["schedule"], comp["pack"], comp["sampling"], strict=True)
         ]
         entry = {k: _stats(v) for k, v in comp.items()}
         entry.update(num_seqs=n, schedule_and_prep=_stats(total))
-        entry["engine_step"] = _stats(time_engine_steps(setup, tokenizer))
+        with collector():
+            entry["engine_step"] = _stats(time_engine_steps(setup, tokenizer))
         rows.append(entry)
         common.log(f"{n} sequences: {entry['schedule_and_prep']['median_us']:.0f} us/step")
     result["results"] = rows
@@ -240,6 +257,7 @@ def print_report(result: dict[str, Any]) -> None:
         [
             r["num_seqs"],
             *(r[k]["median_us"] for k in keys),
+            r["engine_step"]["mean_us"],
             r["schedule_and_prep"]["median_us"] / r["num_seqs"],
         ]
         for r in result["results"]
@@ -247,7 +265,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(
         "median microseconds per decode step, no device work "
         f"(context {result['config']['prompt_len']}+, max_model_len "
-        f"{result['config']['max_model_len']}):"
+        f"{result['config']['max_model_len']}, {result['config'].get('gc', 'default')} gc):"
     )
     print(
         common.format_table(
@@ -259,6 +277,7 @@ def print_report(result: dict[str, Any]) -> None:
                 "update",
                 "sched+prep",
                 "engine.step",
+                "step mean",
                 "us/seq",
             ],
             table,

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from jvllm import compat
 from jvllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from jvllm.engine.beam_search import hypothesis_score
+from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
@@ -170,13 +171,14 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start, out_tokens = time.perf_counter(), 0
-        while len(done) < len(wanted):
-            for out in self.engine.step(final_only=True):
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
-                    rate = out_tokens / max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"output {rate:.1f} tok/s")
+        with serving_gc():
+            while len(done) < len(wanted):
+                for out in self.engine.step(final_only=True):
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s")
         bar.close()
         return [done[i] for i in request_ids]

@@ -29,6 +29,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S, AsyncLLM
+from jvllm.engine.gc_heap import freeze_gc_heap
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.parallel import step_channel
@@ -219,6 +220,7 @@ def run_server(
     uv_config = _uvicorn_config(app, config)
     server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
     _log_start(config, model_path, names)
+    freeze_gc_heap()  # what start-up built stays out of every collection from here on
     server.run()
     code = 1 if async_llm.is_dead else 0 if server.started else 1
     if liveness is not None and publisher is not None:

@@ -230,3 +230,23 @@ def test_detokenizer_holds_back_partial_utf8():
         detok.append(b)
         assert "\ufffd" not in detok.output_text
     assert detok.output_text == "añb"
+
+
+def test_generate_steps_with_the_serving_collector_and_restores_it(llm, monkeypatch) -> None:
+    import gc
+
+    from jvllm.engine.gc_heap import SERVING_GEN0_THRESHOLD
+
+    before = (gc.get_freeze_count(), gc.get_threshold())
+    seen = []
+    step = llm.llm_engine.step
+
+    def observed_step(*args, **kwargs):
+        seen.append((gc.get_freeze_count(), gc.get_threshold()[0]))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.llm_engine, "step", observed_step)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert seen and all(frozen > 0 and first >= SERVING_GEN0_THRESHOLD for frozen, first in seen)
+    assert (gc.get_freeze_count(), gc.get_threshold()) == before
