@@ -502,14 +502,16 @@ def _loads_generic_tokenizer(path: Path) -> bool:
         return False
     try:
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if not (isinstance(tokenizer_config, dict) and isinstance(config, dict)):
+        return False  # AutoTokenizer says what is wrong with them
     return (
         (path / "tokenizer.json").is_file()
         and tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
         and "auto_map" not in tokenizer_config
-        and model_type in _GENERIC_TOKENIZER_MODEL_TYPES
+        and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
     )
 
 

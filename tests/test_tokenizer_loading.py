@@ -71,6 +71,15 @@ def test_other_tokenizer_configs_go_through_autotokenizer(
     assert not _loads_generic_tokenizer(path)
 
 
+def test_a_config_that_is_no_object_goes_through_autotokenizer(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "model"
+    shutil.copytree(checkpoints["llama"], path)
+    (path / "config.json").write_text("[1, 2]")
+    assert not _loads_generic_tokenizer(path)
+
+
 def test_missing_files_go_through_autotokenizer(tmp_path: Path) -> None:
     assert not _loads_generic_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
