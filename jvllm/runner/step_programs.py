@@ -78,10 +78,7 @@ class StepPrograms:
         last_inputs = token_ids[logits_indices]  # [S]
         features = None
         if isinstance(self.drafter, EagleDrafter):
-            features = jnp.zeros((self.max_rows, last.shape[-1]), last.dtype)
-            features = features.at[: last.shape[0]].set(last)
-            if self.mesh is not None:
-                features = jax.lax.with_sharding_constraint(features, replicated(self.mesh))
+            features = self._padded(last, self.max_rows)
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
 
     def pipeline_forward(
@@ -136,9 +133,7 @@ class StepPrograms:
         drafts, q, draft_caches = self.drafter.propose(
             params, target_params, caches[split:], rows, features
         )
-        padded = jnp.zeros(self.draft_probs_shape, jnp.float32).at[: q.shape[0]].set(q)
-        if self.mesh is not None:
-            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        padded = self._padded(q.astype(jnp.float32), self.draft_probs_shape[0])
         return drafts, padded, [*caches[:split], *draft_caches]
 
     def sample(
@@ -149,10 +144,17 @@ class StepPrograms:
         draft_probs: jax.Array | None = None,
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
         out = sampler.sample(logits, md, last_input, draft_probs)
-        padded = jnp.zeros(self.max_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
-        if self.mesh is not None:  # placed as the forward expects it: no second program
-            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        # Placed as the forward expects it (`_padded`): no second forward program.
+        padded = self._padded(out.token_ids, self.max_rows)
         return out, padded  # padded [R]: the next step's placeholders read it
+
+    def _padded(self, x: jax.Array, rows: int) -> jax.Array:
+        """`x` with zero rows appended up to `rows` (a fixed shape across buckets, as
+        the program reading it next expects), replicated over a mesh."""
+        padded = jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: x.shape[0]].set(x)
+        if self.mesh is not None:
+            padded = jax.lax.with_sharding_constraint(padded, replicated(self.mesh))
+        return padded
 
     def apply_bitmask(self, logits: jax.Array, bitmask: jax.Array) -> jax.Array:
         # A method, as every program here: each runner's Programs count their own
