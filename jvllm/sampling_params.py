@@ -11,6 +11,7 @@ import enum
 import functools
 import json as jsonlib
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -133,12 +134,32 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         return self._stop_list
 
-    @property
+    @functools.cached_property
     def uses_penalties(self) -> bool:
+        """Cached, as `sampler_constants`: asked of every row each step."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
+        )
+
+    @functools.cached_property
+    def sampler_constants(self) -> bytes:
+        """The sampler's per-row constants as eight float64 (temperature, top_p, top_k
+        with 0 for off, min_p, the presence, frequency and repetition penalties, and
+        whether logprobs are wanted): a step joins hundreds of rows' bytes at once
+        rather than converting each number. Cached: a request's parameters do not
+        change once it is submitted (`clone` makes new ones)."""
+        return struct.pack(
+            "=8d",
+            self.temperature,
+            self.top_p,
+            max(self.top_k, 0),  # -1 (off) on the host is 0 on the device
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.logprobs is not None,
         )
 
     def clone(self, **changes: object) -> SamplingParams:

@@ -157,14 +157,20 @@ class KVCacheManager:
             start = cached_prefix.num_tokens if cached_prefix else request.num_computed_tokens
             limit = self.max_model_len - start - num_new_tokens
             ahead = max(0, min(self.num_lookahead_tokens, limit))
+        computed, block_size = request.num_computed_tokens, self.block_size
+        last = (len(table) - 1) * block_size  # the first position of the last block
         if (
             cached_prefix is None
             and not num_reserved_tokens
-            and self._fits_privately(table, request.num_computed_tokens, num_new_tokens + ahead)
+            and table
+            and last <= computed
+            and computed + num_new_tokens + ahead <= last + block_size
+            and self.block_pool.ref_count(table[-1]) == 1
         ):
-            # Fast path (most decode steps): the tokens land in the request's own last block.
-            end = request.num_computed_tokens + num_new_tokens
-            if self.enable_prefix_caching and end % self.block_size == 0:
+            # Fast path (most decode steps): the tokens land in the request's own last
+            # block, which no one else holds (no allocation, no copy-on-write).
+            end = computed + num_new_tokens
+            if self.enable_prefix_caching and end % block_size == 0:
                 self._register_full_blocks(request, table, end)
             return True
         if cached_prefix is None:
@@ -359,17 +365,6 @@ class KVCacheManager:
         full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full > len(self._content_ids.get(request.request_id, ())):
             self._register_full_blocks(request, table, request.num_computed_tokens)
-
-    def _fits_privately(self, table: list[int], start: int, num_new: int) -> bool:
-        """Whether positions [start, start + num_new) all lie in the table's last block,
-        which no one else holds (so neither allocation nor copy-on-write is needed)."""
-        last = (len(table) - 1) * self.block_size
-        return (
-            bool(table)
-            and last <= start
-            and start + num_new <= last + self.block_size
-            and self.block_pool.ref_count(table[-1]) == 1
-        )
 
     def _shared_blocks_in(self, table: list[int], start: int, end: int) -> list[int]:
         """Indices of blocks in the table that positions [start, end) write and others hold."""

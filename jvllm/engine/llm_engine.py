@@ -153,13 +153,22 @@ class LLMEngine:
             params, self.tokenizer, self.vocab_size, self.structured_outputs
         )
         group = SequenceGroup(request_id, text, ids, params, arrival)
+        # The output length that ends a sequence: max_tokens, or the context's end.
+        max_outputs = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
             source = group.child_ids[0] if index else None
             request = Request(child_id, ids, params, arrival, fork_source=source)
             seed = self._seed_for(params, index)
             state = SequenceState(
-                request, index, seed, self.tokenizer, request_id, constraints(index)
+                request,
+                index,
+                seed,
+                self.tokenizer,
+                request_id,
+                constraints(index),
+                self.eos_token_ids,
+                max_outputs,
             )
             group.add(state)
             self._seqs[child_id] = state
@@ -384,11 +393,11 @@ class LLMEngine:
         base = len(outputs) - num
         for j in range(num):
             self.generation_tokens += 1
-            state.add_token(result, at + j, outputs[base + j])
-            self._check_stop(state, base + j + 1)
-            if state.finished:
-                del outputs[base + j + 1 :]
-                return
+            if state.add_token(result, at + j, outputs[base + j], base + j + 1):
+                self._check_stop(state, base + j + 1)  # most tokens never get here
+                if state.finished:
+                    del outputs[base + j + 1 :]
+                    return
 
     def _candidates(self, result: Any, row: int, group_id: str) -> Candidates:
         k = self._beam_groups[group_id].num_candidates

@@ -192,7 +192,7 @@ class Scheduler:
         compute it); one finished since then is gone and its row is ignored.
         """
         assert self._pending_steps.popleft() == output.step_id, "steps commit in order"
-        kv = self.kv_cache_manager
+        kv, block_size = self.kv_cache_manager, self.block_size
         for row in output.scheduled:
             request = self._requests.get(row.request_id)
             if request is None or not row.samples:
@@ -212,7 +212,11 @@ class Scheduler:
                     # The rejected drafts' K/V count no more; later steps overwrite it.
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
-                request.output_token_ids.append(sampled[row.request_id])
+                outputs = request.output_token_ids
+                outputs.append(sampled[row.request_id])
+                # One more known token completes a block only at a block boundary.
+                if (len(request.prompt_token_ids) + len(outputs)) % block_size:
+                    continue
             if request.status is RequestStatus.RUNNING:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
@@ -286,7 +290,7 @@ class Scheduler:
         )
 
     def _schedule_running(self, step: _Step) -> None:
-        running = self.running
+        running, kv = self.running, self.kv_cache_manager
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -303,19 +307,23 @@ class Scheduler:
             # The common case, a unit of one: no lists, and the lengths read once (this
             # loop runs for every running request every step).
             index += 1
-            num_outputs = len(request.output_token_ids) + request.num_output_placeholders
+            placeholders = request.num_output_placeholders
+            num_outputs = len(request.output_token_ids) + placeholders
             num_tokens = len(request.prompt_token_ids) + num_outputs
             # Its sampled tokens may end it by length: it finishes when the last
             # placeholder is committed.
-            if request.num_output_placeholders and self._ends_by_length(
-                request, num_outputs, num_tokens
-            ):
+            if placeholders and self._ends_by_length(request, num_outputs, num_tokens):
                 continue
             num_new = min(num_tokens - request.num_computed_tokens, step.budget)
             drafts = (
                 self._lookahead(request, num_new, step.budget) if request.spec_token_ids else []
             )
-            if not drafts and not self._allocate(step, request, num_new, [request]):
+            # Most rows fit at once (allocate_slots changes nothing when they do not).
+            if not (
+                drafts
+                or kv.allocate_slots(request, num_new)
+                or self._allocate(step, request, num_new, [request])
+            ):
                 return
             self._add_row(step, request, num_new, drafts)
 

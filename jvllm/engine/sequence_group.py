@@ -30,7 +30,12 @@ class SequenceState:
         tokenizer: Any,
         group_id: str,
         constraints: Constraints | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
+        max_output_tokens: int = 1 << 62,
     ) -> None:
+        """`stop_token_ids` and `max_output_tokens` bound the tokens that may end the
+        sequence (EOS included, whatever min_tokens says) and the output length that
+        does: the engine's stop check looks closer only at those (`add_token`)."""
         params = request.sampling_params
         self.request = request
         self.index = index
@@ -55,6 +60,8 @@ class SequenceState:
         self.finished_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
         self.constraints = constraints or Constraints()
+        self.stop_token_ids = stop_token_ids | frozenset(params.stop_token_ids)
+        self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
         # that could still start a stop string waits (the engine cuts a matched one).
         self.sent_tokens = self.sent_chars = 0
@@ -80,6 +87,20 @@ class SequenceState:
         are the ones before that position, as if accepted). `draft` is the (token, q
         row) a draft model proposed for this position."""
         r, params = self.request, self.request.sampling_params
+        if drafts is None and draft is None and self.constraints.bad_words is None:
+            # The common row (nothing banned past min_tokens): positional, no lists.
+            step_index = len(r.output_token_ids) + r.num_output_placeholders - 1
+            if step_index >= params.min_tokens:
+                pending = row.prev_step_row is not None and r.num_output_placeholders > 1
+                return SamplingRow(
+                    params,
+                    self.seed,
+                    step_index,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    (),
+                    pending,
+                )
         drafts = drafts or []
         # Tokens sampled before this row's (its own placeholder is already counted).
         step_index = r.num_outputs_with_placeholders - 1 + len(drafts)
@@ -109,9 +130,12 @@ class SequenceState:
             draft_q_row=draft[1] if draft else -1,
         )
 
-    def add_token(self, result: Any, row: int, token: int) -> None:
+    def add_token(self, result: Any, row: int, token: int, num_out: int) -> bool:
         """Records `token`, the one the scheduler appended from `result` (the runner's
-        StepResult) at its sampling row `row`."""
+        StepResult) at its sampling row `row`, the output's `num_out`-th. False when it
+        certainly ends nothing (most tokens): no stop or EOS token, below the length
+        limit, no stop string matched and no grammar to finish; else the engine's stop
+        check looks closer."""
         if self.logprobs is not None:
             # As vLLM: logprobs (and so the cumulative one) only when the request asks.
             logprob = float(result.logprobs[row])
@@ -119,9 +143,16 @@ class SequenceState:
             top = self.request.sampling_params.logprobs
             ids, lps = result.top_ids[row][:top], result.top_logprobs[row][:top]
             self.logprobs.append(self._position(token, logprob, ids, lps))
-        self.matched_stop = self.detok.append(token)
-        if self.constraints.grammar is not None:
-            self.constraints.grammar.accept(token)
+        self.matched_stop = matched = self.detok.append(token)
+        grammar = self.constraints.grammar
+        if grammar is not None:
+            grammar.accept(token)
+        return (
+            token in self.stop_token_ids
+            or num_out >= self.max_output_tokens
+            or matched is not None
+            or grammar is not None
+        )
 
     def wants_prompt_logprobs(self, row: ScheduledRequest) -> bool:
         if self.prompt_logprobs is None:
@@ -170,16 +201,17 @@ class SequenceState:
     def delta(self) -> CompletionOutput:
         """What is new since the last delta (RequestOutputKind.DELTA)."""
         text, tokens = self.detok.output_text, self.request.output_token_ids
-        visible = len(text) if self.finished else max(self.sent_chars, len(text) - self.holdback)
+        status, logprobs = self.finished_status, self.logprobs
+        visible = len(text) if status else max(self.sent_chars, len(text) - self.holdback)
         start = self.sent_tokens
         out = CompletionOutput(
-            index=self.index,
-            text=text[self.sent_chars : visible],
-            token_ids=tokens[start:],
-            cumulative_logprob=self._cumulative_logprob(),
-            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
-            finish_reason=self.finished_status.finish_reason if self.finished_status else None,
-            stop_reason=self.stop_reason,
+            self.index,
+            text[self.sent_chars : visible],
+            tokens[start:],
+            None if logprobs is None else self._cumulative_logprob(),
+            None if logprobs is None else logprobs[start:],
+            status.finish_reason if status else None,
+            self.stop_reason,
         )
         self.sent_chars, self.sent_tokens = visible, len(tokens)
         return out
@@ -194,7 +226,7 @@ class SequenceState:
             self.index,
             self.detok.output_text,
             list(self.request.output_token_ids),
-            self._cumulative_logprob(),
+            None if self.logprobs is None else self._cumulative_logprob(),
             self.logprobs,
             status.finish_reason if status is not None else None,
             self.stop_reason,
@@ -235,10 +267,12 @@ class SequenceGroup:
         first = self.children[0]
         prompt_logprobs = first.prompt_logprobs
         if kind == _DELTA and not final_only:
-            if not finished and all(
-                c.sent_tokens == len(c.request.output_token_ids) for c in self.children
-            ):
-                return None
+            if not finished:
+                for c in self.children:  # a loop, not all(): no generator per step
+                    if c.sent_tokens != len(c.request.output_token_ids):
+                        break
+                else:
+                    return None  # nothing new
             completions = [c.delta() for c in self.children]
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None

@@ -29,6 +29,8 @@ its token equals the draft.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -454,30 +456,52 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
 
 
 def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
-    """Per-row scalars, a column at a time (the per-step host cost at hundreds of rows)."""
+    """Per-row scalars: each row's request constants (`SamplingParams.sampler_constants`)
+    and its own five integers, each kind gathered in one pass (the per-step host cost
+    at hundreds of rows)."""
     n = len(rows)
-    seeds = np.fromiter((r.seed for r in rows), np.int64, n)
-    steps = np.fromiter((r.step_index for r in rows), np.int64, n)
+    if not n:
+        return
+    own = _gathered(_ROW_INTS, rows, 5, np.int64)
+    seeds, steps = own[:, 0], own[:, 1]
     bad = np.flatnonzero((seeds < 0) | (seeds > _U32_MAX))
     if bad.size:
         raise ValueError(f"row {bad[0]}: seed must be in [0, 2**32), got {seeds[bad[0]]}")
     bad = np.flatnonzero(steps < 0)
     if bad.size:
         raise ValueError(f"row {bad[0]}: step_index must be >= 0, got {steps[bad[0]]}")
-    params = [r.params for r in rows]
-    md.temperature[:n] = [p.temperature for p in params]
-    md.top_p[:n] = [p.top_p for p in params]
-    md.top_k[:n] = [max(p.top_k, 0) for p in params]  # -1 (off) on the host is 0 on device
-    md.min_p[:n] = [p.min_p for p in params]
-    md.presence_penalty[:n] = [p.presence_penalty for p in params]
-    md.frequency_penalty[:n] = [p.frequency_penalty for p in params]
-    md.repetition_penalty[:n] = [p.repetition_penalty for p in params]
     md.seeds[:n] = seeds
     md.step_index[:n] = steps
-    md.want_logprobs[:n] = [p.logprobs is not None for p in params]
-    md.pending_output[:n] = [r.pending_output for r in rows]
-    md.draft_token_ids[:n] = [r.draft_token_id for r in rows]
-    md.draft_q_rows[:n] = [r.draft_q_row for r in rows]
+    md.pending_output[:n] = own[:, 2]
+    md.draft_token_ids[:n] = own[:, 3]
+    md.draft_q_rows[:n] = own[:, 4]
+    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), np.float64).reshape(n, 8)
+    columns = (
+        md.temperature,
+        md.top_p,
+        md.top_k,
+        md.min_p,
+        md.presence_penalty,
+        md.frequency_penalty,
+        md.repetition_penalty,
+        md.want_logprobs,
+    )
+    for j, column in enumerate(columns):
+        column[:n] = constants[:, j]
+
+
+def _gathered(
+    getter: Callable[[SamplingRow], tuple], rows: Sequence[SamplingRow], k: int, dtype: type
+) -> np.ndarray:
+    """`[len(rows), k]`: each row's `getter` tuple of k numbers, in one flat pass."""
+    flat = itertools.chain.from_iterable(map(getter, rows))
+    return np.fromiter(flat, dtype, len(rows) * k).reshape(len(rows), k)
+
+
+_ROW_INTS = operator.attrgetter(
+    "seed", "step_index", "pending_output", "draft_token_id", "draft_q_row"
+)
+_ROW_CONSTANTS = operator.attrgetter("params.sampler_constants")
 
 
 def _fill_biases(md: SamplingMetadata, rows: Sequence[SamplingRow], biased: list[int]) -> None:

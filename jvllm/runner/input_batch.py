@@ -135,17 +135,24 @@ def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np
     tokens[:total] = np.fromiter(
         itertools.chain.from_iterable(r.token_ids for r in rows), np.int32, total
     )
-    seq_of_token = np.repeat(np.arange(n), lens)
-    pos = np.arange(total) - np.repeat(qsl[:n].astype(np.int64), lens) + starts[seq_of_token]
+    prev = np.fromiter((-1 if r.prev_step_row is None else r.prev_step_row for r in rows), int, n)
+    if total == n:
+        # Every row one token (a decode step, no drafts): token i is row i's.
+        seq_of_token, pos, firsts = np.arange(n), starts, np.arange(n)
+        logits_indices = np.full(shape.logits_rows, max(n - 1, 0), np.int32)
+        logits_indices[:n] = firsts
+    else:
+        seq_of_token = np.repeat(np.arange(n), lens)
+        pos = np.arange(total) - np.repeat(qsl[:n].astype(np.int64), lens) + starts[seq_of_token]
+        firsts = qsl[:n]
+        logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
     positions = np.zeros(t_pad, np.int32)
     positions[:total] = pos
     slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
     slots[:total] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
-    logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
     prev_index = np.full(t_pad, -1, np.int32)  # [T]: -1, or a row of the previous step
-    prev = np.fromiter((-1 if r.prev_step_row is None else r.prev_step_row for r in rows), int, n)
     fed_back = prev >= 0
-    prev_index[qsl[:n][fed_back]] = prev[fed_back]
+    prev_index[firsts[fed_back]] = prev[fed_back]
     return np.concatenate(
         [tokens, positions, slots, qsl, seq_lens, tables.ravel(), logits_indices, prev_index]
     )
