@@ -129,6 +129,8 @@ class LLMEngine:
         # just sampled (a grammar, multi-token bad words): most steps have neither.
         self._masked: set[str] = set()
         self._late: set[str] = set()
+        # Live sequences that score their prompt (prompt logprobs): most steps have none.
+        self._scoring: set[str] = set()
 
     # -- requests in --
 
@@ -176,6 +178,8 @@ class LLMEngine:
                 self._masked.add(child_id)
             if state.constraints.needs_latest_token:
                 self._late.add(child_id)
+            if state.prompt_logprobs is not None:
+                self._scoring.add(child_id)
         self._groups[request_id] = group
         for state in group.children:
             self.scheduler.add_request(state.request)
@@ -286,7 +290,9 @@ class LLMEngine:
         (returned), then the sampler queued with what that token allows."""
         rows = sched.scheduled
         states = [self._seqs.get(row.request_id) or self._beams[row.request_id] for row in rows]
-        want_prompt = [s.wants_prompt_logprobs(row) for s, row in zip(states, rows, strict=True)]
+        want_prompt = [False] * len(rows)
+        if self._scoring:
+            want_prompt = [s.wants_prompt_logprobs(r) for s, r in zip(states, rows, strict=True)]
         targets = None
         if any(want_prompt):
             targets = [
@@ -471,6 +477,7 @@ class LLMEngine:
                 self.speculator.forget(child_id)
             self._masked.discard(child_id)
             self._late.discard(child_id)
+            self._scoring.discard(child_id)
         out = group.output(final_only)
         assert out is not None  # a finished group always has its last output
         return out

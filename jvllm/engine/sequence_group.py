@@ -273,12 +273,12 @@ class SequenceGroup:
                         break
                 else:
                     return None  # nothing new
-            completions = [c.delta() for c in self.children]
+            completions = list(map(SequenceState.delta, self.children))
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
         else:
-            completions = [c.completion() for c in self.children]
+            completions = list(map(SequenceState.completion, self.children))
         return RequestOutput(
             self.request_id,
             self.prompt,
