@@ -184,7 +184,9 @@ class _Done(NamedTuple):
         return self.step
 
 
-def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
+def decoding_engine(setup: Setup, tokenizer: Any) -> LLMEngine:
+    """An engine on the no-device runner with every sequence prefilled: each further
+    `step()` is a decode step of all of them."""
     params = _GREEDY.clone(output_kind=RequestOutputKind[setup.args.output_kind.upper()])
     cfg = EngineConfig(
         ModelConfig("host-overhead"), setup.cache_config, setup.scheduler_config, ParallelConfig()
@@ -197,6 +199,19 @@ def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()  # prefill, untimed
+    return engine
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
+        write_word_tokenizer(Path(tmp), vocab_size)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
+    engine = decoding_engine(setup, tokenizer)
     return [_timed(engine.step) for _ in range(setup.args.steps)]
 
 
@@ -218,11 +233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["config"] = {k: v for k, v in vars(args).items() if k != "output"} | {
         "output": str(args.output)
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        from transformers import AutoTokenizer
-
-        write_word_tokenizer(Path(tmp), args.vocab_size)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    tokenizer = word_tokenizer(args.vocab_size)
     rows = []
     collector = serving_gc if args.gc == "serving" else contextlib.nullcontext
     for n in args.num_seqs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,30 @@ def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             stats = row[key]
             assert 0 < stats["min_us"] <= stats["median_us"], (key, stats)
     assert "goal" not in written  # only reported at 256 sequences
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
+def test_host_instructions_small(tmp_path: Path) -> None:
+    from bench import host_instructions
+
+    out = tmp_path / "instr.json"
+    argv = ["--num-seqs", "8", "--output-kinds", "delta", "--steps", "2", "--output", str(out)]
+    (row,) = host_instructions.main(argv)["results"]
+    written = json.loads(out.read_text())
+    assert written["results"] == [row] and (row["output_kind"], row["num_seqs"]) == ("delta", 8)
+    # A decode step of 8 sequences is about a million instructions; the import, the
+    # prefill (tens of millions) and the collection toggles are not counted.
+    toggles = written["config"]["toggle_instructions"]["jvllm"]
+    assert 0 < toggles < 5_000_000
+    assert 100_000 < row["jvllm"]["per_step"] < 5_000_000
+    assert row["jvllm"]["per_sequence"] == round(row["jvllm"]["per_step"] / 8)
+
+
+def test_host_instructions_rejects_unknown_kinds() -> None:
+    from bench import host_instructions
+
+    with pytest.raises(SystemExit):
+        host_instructions.parse_args(["--output-kinds", "cumulative,streaming"])
 
 
 def test_device_idle_small(tmp_path: Path) -> None:
