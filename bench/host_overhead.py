@@ -123,7 +123,7 @@ def time_components(setup: Setup) -> dict[str, list[float]]:
         t1 = time.perf_counter()
         rows = out.scheduled
         shape = setup.shape(out.num_scheduled_tokens)
-        pack_rows(rows, shape, setup.args.block_size)
+        pack_rows(rows, shape, setup.args.block_size, out.block_tables)
         t2 = time.perf_counter()
         srows = [SamplingRow(_GREEDY, i, step, (), ()) for i in range(len(rows))]
         t3 = time.perf_counter()
@@ -162,9 +162,10 @@ class NoDeviceRunner:
         sampling_rows: Sequence[Any] | Callable[[], Any],
         want: Any = None,
         token_bitmask: Any = None,
+        block_tables: Any = None,
     ) -> Any:
         shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
-        pack_rows(rows, shape, self.setup.args.block_size)
+        pack_rows(rows, shape, self.setup.args.block_size, block_tables)
         if callable(sampling_rows):  # a LateSampling: the engine's rows and bitmask
             sampling_rows, _ = sampling_rows()
         make_sampling_metadata(sampling_rows, shape.num_seqs)

@@ -203,11 +203,16 @@ class StepProbe:
         return getattr(self.runner, name)
 
     def dispatch(
-        self, rows: Sequence[Any], sampling_rows: Any, want: Any = None, token_bitmask: Any = None
+        self,
+        rows: Sequence[Any],
+        sampling_rows: Any,
+        want: Any = None,
+        token_bitmask: Any = None,
+        block_tables: Any = None,
     ) -> Any:
         t0 = time.perf_counter()
         pending = _TimedPending(
-            self.runner.dispatch(rows, sampling_rows, want, token_bitmask), self
+            self.runner.dispatch(rows, sampling_rows, want, token_bitmask, block_tables), self
         )
         tokens = sum(len(r.token_ids) for r in rows)
         self.step.update(

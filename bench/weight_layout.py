@@ -42,6 +42,7 @@ class DecodeRow(NamedTuple):  # a runner.input_batch.StepRow
     block_table: list[int]
     prev_step_row: int | None = None
     num_spec_tokens: int = 0
+    table_row: int = -1  # none: the block_table list is packed
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -12,6 +12,9 @@ a swapped-out request's computed blocks move to host blocks of a second pool (th
 runner copies them out before the step's forward, and back into new device blocks
 when swapped in). It holds no device block while swapped out; `SwapSpace` decides
 which host copies, and which device blocks on the way back, holders may share.
+
+Every table is also a row of `table_array` (`BlockTableArray`), rewritten where a table
+changes, so a step's tables reach the runner as one gather.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock
+from jvllm.engine.block_table_array import BlockTableArray
 from jvllm.engine.host_tier import HostEntry, HostPrefixTier
 from jvllm.engine.request import Request
 from jvllm.engine.swap_space import SwapSpace
@@ -88,6 +92,8 @@ class KVCacheManager:
         self.num_offloaded_blocks = 0
         self.num_onloaded_blocks = 0
         self._block_tables: dict[str, list[int]] = {}
+        # The same tables as rows of one int32 array, rewritten whenever a table changes.
+        self.table_array = BlockTableArray(cdiv(self.max_model_len, block_size))
         # Chained hashes of a request's leading full blocks, extended on demand.
         self._block_hashes: dict[str, list[int]] = {}
         # Content ids of a request's leading full blocks that are cached (by it or others).
@@ -200,6 +206,7 @@ class KVCacheManager:
         self._onload(request, table, prefix.host_hits)
         table += self.block_pool.allocate(num_new_blocks)
         self._copy_on_write(table, shared, start)
+        self.table_array.write(request.request_id, table)
         if cached_prefix is not None and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += prefix.num_tokens
@@ -221,6 +228,7 @@ class KVCacheManager:
         assert len(shared) * self.block_size >= num_tokens, (source_id, num_tokens)
         self.block_pool.incref(shared)
         self._block_tables[child_id] = list(shared)
+        self.table_array.write(child_id, shared)
         if self.enable_prefix_caching:
             source_content = self._content_ids.get(source_id, [])
             self._content_ids[child_id] = source_content[: num_tokens // self.block_size]
@@ -229,6 +237,7 @@ class KVCacheManager:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
+        self.table_array.release(request_id)
         self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         if self.swap_space is not None:
             self.swap_space.free(request_id)
@@ -297,6 +306,8 @@ class KVCacheManager:
         pairs = self.swap_space.swap_out(request.request_id, blocks, self._num_full(request))
         self.block_pool.free(reversed(table))
         table[:] = [NULL_BLOCK] * len(blocks)
+        if request.request_id in self._block_tables:
+            self.table_array.write(request.request_id, table)
         return pairs
 
     def swap_in(self, request: Request, num_spare_blocks: int) -> list[tuple[int, int]] | None:
@@ -313,6 +324,7 @@ class KVCacheManager:
         table = self._block_tables.setdefault(request.request_id, [])
         for index, block in blocks.items():
             table[index] = block
+        self.table_array.write(request.request_id, table)
         return pairs
 
     def get_host_blocks(self, request_id: str) -> dict[int, int]:

@@ -57,10 +57,13 @@ class StepRunner(Protocol):
         sampling_rows: Sequence[SamplingRow] | LateSampling,
         prompt_targets: Sequence[Sequence[int]] | None = None,
         token_bitmask: np.ndarray | None = None,
+        block_tables: np.ndarray | None = None,
     ) -> Any:
         """Queues the step; the returned handle's `result()` waits for it. With a
         `LateSampling`, the runner queues the forward first and calls it for the rows
-        and the bitmask (`i32[rows, W]`, or None) before queueing the sampler."""
+        and the bitmask (`i32[rows, W]`, or None) before queueing the sampler.
+        `block_tables` is the step's `SchedulerOutput.block_tables` (rows index it by
+        their `table_row`)."""
 
 
 # Called once the forward is queued: the sampling rows and token bitmask of the step.
@@ -310,10 +313,10 @@ class LLMEngine:
                 committed.extend(self._commit(previous, final_only))
                 return self._sampling(states, rows)
 
-            pending = self.runner.dispatch(rows, late, targets)
+            pending = self.runner.dispatch(rows, late, targets, block_tables=sched.block_tables)
             return _InFlight(sched, states, want_prompt, pending), committed
         sampling_rows, bitmask = self._sampling(states, rows)
-        pending = self.runner.dispatch(rows, sampling_rows, targets, bitmask)
+        pending = self.runner.dispatch(rows, sampling_rows, targets, bitmask, sched.block_tables)
         return _InFlight(sched, states, want_prompt, pending), None
 
     def _sampling(

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The token id a row carries where the device substitutes the previous step's sample.
 PLACEHOLDER_TOKEN = 0
@@ -51,6 +54,8 @@ class ScheduledRequest(NamedTuple):
     prev_step_row: int | None = None
     # The last this many of token_ids are draft tokens to verify (speculative decoding).
     num_spec_tokens: int = 0
+    # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
+    table_row: int = -1
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ class SchedulerOutput:
     # Applied before the copies and the forward, swap-outs first.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # Every row's block table as row `table_row` of this int32 array (zero past each
+    # table's end); valid until the next schedule().
+    block_tables: np.ndarray | None = None
 
 
 class SchedulerStats(NamedTuple):
@@ -176,6 +184,7 @@ class Scheduler:
             num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - step.budget,
             blocks_to_swap_out=step.swap_out + offloads,
             blocks_to_swap_in=step.swap_in + onloads,
+            block_tables=self.kv_cache_manager.table_array.array,
         )
 
     def update_from_output(
@@ -586,15 +595,17 @@ class Scheduler:
         if samples:
             step.sampling_rows[request_id] = len(step.rows)
             request.num_output_placeholders += 1
+        kv = self.kv_cache_manager
         step.rows.append(
             ScheduledRequest(
                 request_id,
                 token_ids,
                 start,
-                self.kv_cache_manager.get_block_table(request_id),
+                kv.get_block_table(request_id),
                 samples,
                 prev_step_row,
                 num_spec,
+                kv.table_array.row(request_id),
             )
         )
         step.starts[request_id] = start

@@ -31,6 +31,7 @@ class StepRow(Protocol):
     block_table: Sequence[int]
     prev_step_row: int | None  # row of the previous step whose sample is token_ids[0]
     num_spec_tokens: int  # the last this many tokens are drafts: each needs its logits
+    table_row: int  # block_table as a row of the step's block-table array (-1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -106,8 +107,16 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np.ndarray:
-    """All int32 metadata of one step in one flat buffer, in `unpack`'s order.
+def pack_rows(
+    rows: Sequence[StepRow],
+    shape: BatchShape,
+    block_size: int,
+    block_tables: np.ndarray | None = None,
+) -> np.ndarray:
+    """All int32 metadata of one step in one flat buffer, in `unpack`'s order. With
+    `block_tables` (the scheduler's persistent array, `SchedulerOutput.block_tables`)
+    each row's table is row `table_row` of it: one gather, not a conversion of every
+    entry of every `block_table`.
 
     Vectorised over rows: the per-step host cost matters at hundreds of sequences.
     """
@@ -117,22 +126,29 @@ def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np
     # map() over attrgetters: C-level loops, no generator frame per column.
     lens = np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, n)
     starts = np.fromiter(map(_START, rows), np.int64, n)
-    widths = np.fromiter(map(len, map(_TABLE, rows)), np.int64, n)
     total = int(lens.sum())
-    assert total <= t_pad and (widths <= w).all(), (total, t_pad, widths.max(initial=0), w)
+    assert total <= t_pad, (total, t_pad)
     qsl = np.full(s_pad + 1, total, np.int32)
     qsl[0] = 0
     qsl[1 : n + 1] = np.cumsum(lens)
     seq_lens = np.zeros(s_pad, np.int32)
     seq_lens[:n] = starts + lens
     tables = np.zeros((s_pad, w), np.int32)
-    flat_tables = np.fromiter(
-        itertools.chain.from_iterable(map(_TABLE, rows)), np.int32, int(widths.sum())
-    )
-    table_rows = np.repeat(np.arange(n), widths)
-    tables[
-        table_rows, np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
-    ] = flat_tables
+    if block_tables is not None:
+        # Zero past each table's end, and no table is wider than max_model_len's.
+        assert block_tables.shape[1] <= w, (block_tables.shape, w)
+        table_rows = np.fromiter(map(_TABLE_ROW, rows), np.int64, n)
+        assert (table_rows >= 0).all(), "every row needs its table_row"
+        tables[:n, : block_tables.shape[1]] = block_tables[table_rows]
+    else:
+        widths = np.fromiter(map(len, map(_TABLE, rows)), np.int64, n)
+        assert (widths <= w).all(), (widths.max(initial=0), w)
+        flat_tables = np.fromiter(
+            itertools.chain.from_iterable(map(_TABLE, rows)), np.int32, int(widths.sum())
+        )
+        table_rows = np.repeat(np.arange(n), widths)
+        within = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
+        tables[table_rows, within] = flat_tables
     tokens = np.zeros(t_pad, np.int32)
     tokens[:total] = np.fromiter(
         itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
@@ -163,6 +179,7 @@ def pack_rows(rows: Sequence[StepRow], shape: BatchShape, block_size: int) -> np
 _TOKEN_IDS = operator.attrgetter("token_ids")
 _START = operator.attrgetter("start_position")
 _TABLE = operator.attrgetter("block_table")
+_TABLE_ROW = operator.attrgetter("table_row")
 
 
 def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -> np.ndarray:
@@ -207,6 +224,7 @@ class RowPiece(NamedTuple):
     block_table: Sequence[int]
     prev_step_row: int | None
     num_spec_tokens: int
+    table_row: int = -1
 
 
 def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
@@ -229,7 +247,9 @@ def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
             while done < len(ids):
                 take = min(len(ids) - done, room)
                 piece = ids[done : done + take]
-                groups[g].append(RowPiece(piece, start + done, row.block_table, prev, 0))
+                groups[g].append(
+                    RowPiece(piece, start + done, row.block_table, prev, 0, row.table_row)
+                )
                 prev, done, room = None, done + take, room - take
                 if room == 0 and done < len(ids):
                     g, room = g + 1, size
@@ -246,7 +266,10 @@ def micro_batch_tokens(rows: Sequence[StepRow], parts: int) -> int:
 
 
 def pack_micro_batches(
-    rows: Sequence[StepRow], shape: BatchShape, block_size: int
+    rows: Sequence[StepRow],
+    shape: BatchShape,
+    block_size: int,
+    block_tables: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[int]]:
     """A pipelined step's int32 metadata in one buffer (`unpack_micro_batches`'s order):
     each micro-batch's `pack_rows` buffer (`cut_rows`), then where each token of the
@@ -256,7 +279,7 @@ def pack_micro_batches(
     parts, sizes, token_index = [], [], np.zeros(shape.num_tokens, np.int32)
     offset = 0
     for g, group in enumerate(cut_rows(rows, shape.num_micro)):
-        parts.append(pack_rows(group, micro, block_size))
+        parts.append(pack_rows(group, micro, block_size, block_tables))
         n = sum(len(r.token_ids) for r in group)
         token_index[offset : offset + n] = g * micro.num_tokens + np.arange(n)
         offset += n

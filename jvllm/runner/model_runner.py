@@ -306,17 +306,20 @@ class ModelRunner:
         return BatchShape(t, rows, self.width, logits if self.num_lookahead_tokens else 0)
 
     def _run_forward(
-        self, rows: Sequence[StepRow], shape: BatchShape | None = None
+        self,
+        rows: Sequence[StepRow],
+        shape: BatchShape | None = None,
+        block_tables: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         if self.pp > 1:
             shape = shape or self.batch_shape(0, micro_batch_tokens(rows, self.num_micro))
-            packed, sizes = pack_micro_batches(rows, shape, self.block_size)
+            packed, sizes = pack_micro_batches(rows, shape, self.block_size, block_tables)
             busy, capacity = schedule_utilization(sizes, self.pp)
             self.pipeline_load[0] += busy
             self.pipeline_load[1] += capacity
         else:
             shape = shape or self.batch_shape(sum(len(r.token_ids) for r in rows))
-            packed = pack_rows(rows, shape, self.block_size)
+            packed = pack_rows(rows, shape, self.block_size, block_tables)
         self._launch_forward(packed, shape)
         assert self._last_forward is not None
         return self._last_forward
@@ -428,6 +431,7 @@ class ModelRunner:
         sampling_rows: Sequence[SamplingRow] | LateSampling,
         prompt_targets: Sequence[Sequence[int]] | None = None,
         token_bitmask: np.ndarray | None = None,
+        block_tables: np.ndarray | None = None,
     ) -> PendingStep:
         """Queues one engine step (forward, then sampling of every row) on the device and
         returns without waiting for it. `prompt_targets`, per row and new token, names
@@ -436,8 +440,9 @@ class ModelRunner:
         callable `sampling_rows` is called once the forward is queued, for the sampling
         rows and the bitmask (host work that overlaps the forward). A row verifying k
         draft tokens takes 1 + k consecutive sampling rows (and bitmask rows), one per
-        position it scores."""
-        _, _, _, shape = self._run_forward(rows)
+        position it scores. `block_tables` holds each row's table as its `table_row`
+        (the scheduler's persistent array); without it the rows' lists are packed."""
+        _, _, _, shape = self._run_forward(rows, block_tables=block_tables)
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
         assert len(sampling_rows) == len(rows) + sum(r.num_spec_tokens for r in rows)

@@ -590,6 +590,10 @@ class _Trace:
             assert row.samples == (request.num_output_placeholders == placeholders + 1)
             assert placeholders <= (1 if self.overlap else 0)
             assert row.block_table == self.kv.get_block_table(row.request_id)
+            # The persistent array holds the same table, zeros after it.
+            in_array = output.block_tables[row.table_row]
+            assert list(in_array[: len(row.block_table)]) == row.block_table
+            assert not in_array[len(row.block_table) :].any()
             covered = min(end + self.lookahead, self.max_model_len)
             assert len(row.block_table) * self.block_size >= covered
         for request_id in output.preempted_request_ids:
@@ -645,6 +649,12 @@ class _Trace:
             assert (block in set(free)) == (holders[block] == 0)
         for request in self.scheduler.waiting:
             assert self.kv.get_block_table(request.request_id) == []
+        # The persistent array: a row per holder, equal to its table; none leaked.
+        array = self.kv.table_array
+        assert len(array) == len(holding)
+        for r in holding:
+            table, row = self.kv.get_block_table(r.request_id), array.array[array.row(r.request_id)]
+            assert list(row[: len(table)]) == table and not row[len(table) :].any()
 
     def _simulate_forward(
         self, output: SchedulerOutput

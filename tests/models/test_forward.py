@@ -27,6 +27,7 @@ class Row:
     block_table: list[int]
     prev_step_row: int | None = None
     num_spec_tokens: int = 0
+    table_row: int = -1  # none: the block_table list is packed
 
 
 def hf_logits(hf_model, ids: list[int]) -> np.ndarray:  # [len(ids), V]

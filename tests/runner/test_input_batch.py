@@ -23,6 +23,7 @@ class Row:
     block_table: list[int]
     prev_step_row: int | None = None
     num_spec_tokens: int = 0
+    table_row: int = -1
 
 
 def random_rows(rng: np.random.Generator, block_size: int) -> list[Row]:
@@ -56,6 +57,26 @@ def test_pack_rows_matches_a_row_by_row_reading():
         # Padding writes only into the null block, and padding rows have no tokens.
         assert (np.asarray(inp.attn.slot_mapping)[total:] < 8).all()
         assert (np.asarray(inp.attn.seq_lens)[len(rows) :] == 0).all()
+
+
+def test_pack_rows_from_a_persistent_block_table_array_packs_the_same():
+    """Rows' tables given as rows of one array (the scheduler's BlockTableArray) pack to
+    the very buffer their lists do: decode-only steps and ragged ones alike."""
+    rng = np.random.default_rng(2)
+    for trial in range(100):
+        rows = random_rows(rng, 8)
+        if trial % 2:  # a decode step: one token a row
+            for r in rows:
+                r.token_ids = r.token_ids[:1]
+        array = np.zeros((3 * len(rows) + 1, 8), np.int32)
+        order = rng.permutation(len(array))
+        for r, at in zip(rows, order, strict=False):
+            r.table_row = int(at)
+            array[at, : len(r.block_table)] = r.block_table
+        total = sum(len(r.token_ids) for r in rows)
+        shape = BatchShape(pick_bucket(max(total, 1), pow2_buckets(16, 256)), 8, 8)
+        want = pack_rows(rows, shape, 8)
+        assert (pack_rows(rows, shape, 8, array) == want).all()
 
 
 def test_token_buckets_are_fine_and_end_at_the_budget():
