@@ -165,7 +165,10 @@ class NoDeviceRunner:
         block_tables: Any = None,
     ) -> Any:
         shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
-        pack_rows(rows, shape, self.setup.args.block_size, block_tables)
+        if block_tables is None:  # an older engine (host_instructions.py --baseline-src)
+            pack_rows(rows, shape, self.setup.args.block_size)
+        else:
+            pack_rows(rows, shape, self.setup.args.block_size, block_tables)
         if callable(sampling_rows):  # a LateSampling: the engine's rows and bitmask
             sampling_rows, _ = sampling_rows()
         make_sampling_metadata(sampling_rows, shape.num_seqs)
