@@ -416,6 +416,46 @@ def test_make_sampling_metadata_packs_and_pads() -> None:
     assert md.repetition_penalty.tolist() == [1.0] * 4
 
 
+def test_sampling_metadata_columns_match_each_rows_params() -> None:
+    """Every per-row column, from the params' cached constants and the rows' own
+    integers, equals the value read off that row (hundreds of distinct params)."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(300):
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_p=float(rng.uniform(0.1, 1.0)),
+            top_k=int(rng.choice([-1, 1, 50])),
+            min_p=float(rng.uniform(0.0, 0.5)),
+            presence_penalty=float(rng.uniform(-2, 2)),
+            frequency_penalty=float(rng.uniform(-2, 2)),
+            repetition_penalty=float(rng.uniform(0.5, 2)),
+            logprobs=None if i % 3 else 2,
+        )
+        pending, draft, q_row = bool(i % 2), int(rng.integers(-1, 9)), int(rng.integers(-1, 9))
+        rows.append(SamplingRow(params, i * 11, i, (1,), (2,), (), pending, draft, q_row))
+    md = make_sampling_metadata(rows, num_rows=320)
+    f32 = np.float32
+    for i, r in enumerate(rows):
+        p = r.params
+        assert md.temperature[i] == f32(p.temperature) and md.top_p[i] == f32(p.top_p)
+        assert md.top_k[i] == max(p.top_k, 0) and md.min_p[i] == f32(p.min_p)
+        assert md.presence_penalty[i] == f32(p.presence_penalty)
+        assert md.frequency_penalty[i] == f32(p.frequency_penalty)
+        assert md.repetition_penalty[i] == f32(p.repetition_penalty)
+        assert md.want_logprobs[i] == (p.logprobs is not None)
+        assert (md.seeds[i], md.step_index[i], md.pending_output[i]) == (
+            i * 11,
+            i,
+            r.pending_output,
+        )
+        assert (md.draft_token_ids[i], md.draft_q_rows[i]) == (r.draft_token_id, r.draft_q_row)
+    # A clone is a new request's parameters: its own constants, not the original's.
+    clone = rows[0].params.clone(temperature=0.25)
+    md = make_sampling_metadata([rows[0]._replace(params=clone)], num_rows=1)
+    assert md.temperature.tolist() == [0.25]
+
+
 @pytest.mark.parametrize(
     ("rows", "num_rows", "match"),
     [
