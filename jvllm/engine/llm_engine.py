@@ -360,8 +360,16 @@ class LLMEngine:
                 state.add_prompt_logprobs(row, result.prompt_logprobs[i])
             speculates = speculator is not None and state.constraints.grammar is None
             if row.samples:
-                num = len(verified[row.request_id]) if verified and row.num_spec_tokens else 1
-                self._add_tokens(state, result, at[i], num)
+                num = 1
+                if verified and row.num_spec_tokens:
+                    num = len(verified[row.request_id])
+                    self._add_tokens(state, result, at[i], num)
+                else:  # one token: `_add_tokens` inlined (this runs per row and step)
+                    self.generation_tokens += 1
+                    num_out = len(state.request.output_token_ids)
+                    token = state.request.output_token_ids[-1]
+                    if state.add_token(result, at[i], token, num_out):
+                        self._check_stop(state, num_out)
                 if speculates and state.finished_status is None:
                     # The newest token came from the row's num-th logits row.
                     drafting.append(StepSequence(state.request, state.seed, at[i] + num - 1, True))

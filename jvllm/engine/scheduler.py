@@ -578,25 +578,28 @@ class Scheduler:
         end = start + num_new
         assert end <= self.scheduler_config.max_model_len, (request, num_new)
         prev_step_row = None
+        placeholders = request.num_output_placeholders
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         if end > num_tokens:
             # The one token of this row is still on the device: the previous step sampled it.
-            assert num_new == 1 and request.num_output_placeholders == 1, request
+            assert num_new == 1 and placeholders == 1, request
             token_ids = [PLACEHOLDER_TOKEN]
             prev_step_row = self._sampling_rows[request_id]
         else:
             token_ids = request.get_token_ids(start, end)
-        samples = end == num_tokens + request.num_output_placeholders
-        num_spec = len(drafts) if drafts else 0
+        samples = end == num_tokens + placeholders
+        num_spec = 0
         if request.spec_token_ids:
             request.spec_token_ids = []  # proposed for this row only
-        if num_spec:
+        if drafts:
+            num_spec = len(drafts)
             token_ids = token_ids + drafts
+        rows = step.rows
         if samples:
-            step.sampling_rows[request_id] = len(step.rows)
-            request.num_output_placeholders += 1
+            step.sampling_rows[request_id] = len(rows)
+            request.num_output_placeholders = placeholders + 1
         kv = self.kv_cache_manager
-        step.rows.append(
+        rows.append(
             ScheduledRequest(
                 request_id,
                 token_ids,

@@ -278,7 +278,11 @@ class SequenceGroup:
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
         else:
-            completions = list(map(SequenceState.completion, self.children))
+            children = self.children
+            if len(children) == 1:
+                completions = [children[0].completion()]
+            else:
+                completions = list(map(SequenceState.completion, children))
         return RequestOutput(
             self.request_id,
             self.prompt,
