@@ -171,9 +171,9 @@ class LLMEngine:
                 seed,
                 self.tokenizer,
                 request_id,
-                constraints(index),
                 self.eos_token_ids,
                 max_outputs,
+                constraints(index),
             )
             group.add(state)
             self._seqs[child_id] = state

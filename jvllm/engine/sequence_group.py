@@ -8,6 +8,7 @@ is a group of n sibling sequences that the scheduler runs as separate requests.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +30,14 @@ class SequenceState:
         seed: int,
         tokenizer: Any,
         group_id: str,
+        eos_token_ids: frozenset[int],
+        max_output_tokens: int,
         constraints: Constraints | None = None,
-        stop_token_ids: frozenset[int] = frozenset(),
-        max_output_tokens: int = 1 << 62,
     ) -> None:
-        """`stop_token_ids` and `max_output_tokens` bound the tokens that may end the
-        sequence (EOS included, whatever min_tokens says) and the output length that
-        does: the engine's stop check looks closer only at those (`add_token`)."""
+        """The EOS ids and the stop token ids (whatever min_tokens and ignore_eos say)
+        are the tokens that may end the sequence, and `max_output_tokens` the output
+        length that does: the engine's stop check looks closer only at those
+        (`add_token`)."""
         params = request.sampling_params
         self.request = request
         self.index = index
@@ -60,7 +62,7 @@ class SequenceState:
         self.finished_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
         self.constraints = constraints or Constraints()
-        self.stop_token_ids = stop_token_ids | frozenset(params.stop_token_ids)
+        self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
         self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
         # that could still start a stop string waits (the engine cuts a matched one).
@@ -87,37 +89,27 @@ class SequenceState:
         are the ones before that position, as if accepted). `draft` is the (token, q
         row) a draft model proposed for this position."""
         r, params = self.request, self.request.sampling_params
-        if drafts is None and draft is None and self.constraints.bad_words is None:
-            # The common row (nothing banned past min_tokens): positional, no lists.
-            step_index = len(r.output_token_ids) + r.num_output_placeholders - 1
-            if step_index >= params.min_tokens:
-                pending = row.prev_step_row is not None and r.num_output_placeholders > 1
-                return SamplingRow(
-                    params,
-                    self.seed,
-                    step_index,
-                    r.prompt_token_ids,
-                    r.output_token_ids,
-                    (),
-                    pending,
-                )
-        drafts = drafts or []
         # Tokens sampled before this row's (its own placeholder is already counted).
-        step_index = r.num_outputs_with_placeholders - 1 + len(drafts)
-        outputs = r.output_token_ids + drafts if drafts else r.output_token_ids
-        banned: list[int] = []
+        placeholders = r.num_output_placeholders
+        step_index = len(r.output_token_ids) + placeholders - 1
+        outputs = r.output_token_ids
+        if drafts:
+            step_index += len(drafts)
+            outputs = outputs + drafts
+        banned: Sequence[int] = ()  # most rows ban nothing: no list built for them
         if step_index < params.min_tokens:
             # As vLLM: until min_tokens, neither a stop token nor EOS can be chosen.
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += sorted(eos_token_ids)
         # Placeholders: this row's own sample, and the previous step's if uncommitted.
-        pending = row.prev_step_row is not None and r.num_output_placeholders > 1
+        pending = row.prev_step_row is not None and placeholders > 1
         bad_words = self.constraints.bad_words
         if bad_words is not None:
             # Multi-token words need the latest token: the engine commits it first.
             assert not (pending and bad_words.needs_history), r
-            banned += bad_words.banned(outputs)
+            banned = [*banned, *bad_words.banned(outputs)]
+        draft_token, q_row = draft if draft is not None else (-1, -1)
         return SamplingRow(
             params,
             self.seed,
@@ -125,9 +117,9 @@ class SequenceState:
             r.prompt_token_ids,
             outputs,
             banned,
-            pending_output=pending,
-            draft_token_id=draft[0] if draft else -1,
-            draft_q_row=draft[1] if draft else -1,
+            pending,
+            draft_token,
+            q_row,
         )
 
     def add_token(self, result: Any, row: int, token: int, num_out: int) -> bool:
@@ -148,7 +140,7 @@ class SequenceState:
         if grammar is not None:
             grammar.accept(token)
         return (
-            token in self.stop_token_ids
+            token in self.ending_token_ids
             or num_out >= self.max_output_tokens
             or matched is not None
             or grammar is not None

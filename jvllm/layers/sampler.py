@@ -462,7 +462,8 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     n = len(rows)
     if not n:
         return
-    own = _gathered(_ROW_INTS, rows, 5, np.int64)
+    flat = itertools.chain.from_iterable(map(_ROW_INTS, rows))
+    own = np.fromiter(flat, np.int64, 5 * n).reshape(n, 5)
     seeds, steps = own[:, 0], own[:, 1]
     bad = np.flatnonzero((seeds < 0) | (seeds > _U32_MAX))
     if bad.size:
@@ -488,14 +489,6 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     )
     for j, column in enumerate(columns):
         column[:n] = constants[:, j]
-
-
-def _gathered(
-    getter: Callable[[SamplingRow], tuple], rows: Sequence[SamplingRow], k: int, dtype: type
-) -> np.ndarray:
-    """`[len(rows), k]`: each row's `getter` tuple of k numbers, in one flat pass."""
-    flat = itertools.chain.from_iterable(map(getter, rows))
-    return np.fromiter(flat, dtype, len(rows) * k).reshape(len(rows), k)
 
 
 _ROW_INTS = operator.attrgetter(
