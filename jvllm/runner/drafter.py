@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
-from jvllm.layers.sampler import inverse_cdf_draw
+from jvllm.layers.sampler import argmax_rows, inverse_cdf_draw
 from jvllm.models.loader import LoadedModel
 from jvllm.runner.input_batch import ModelInput
 from jvllm.sampling_params import SAMPLING_EPS
@@ -197,7 +197,7 @@ def draft_steps(
         attn = AttentionMetadata(slots, qsl, pos + 1, rows.tables)
         hidden, carry, caches = step(token, pos, attn, carry, caches)
         logits = score(hidden).astype(jnp.float32)
-        argmax = jnp.argmax(logits, axis=-1)
+        argmax = argmax_rows(logits)
         q = jax.nn.softmax(logits / temperature, axis=-1)
         q = jnp.where(greedy[:, None], jax.nn.one_hot(argmax, q.shape[-1]), q)
         token = jax.vmap(_draw)(rows.seeds, rows.steps + i, q).astype(jnp.int32)

@@ -161,6 +161,22 @@ def test_weight_layout_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert case["max_logit_diff"] < 1e-4
 
 
+def test_sampler_small(tmp_path: Path) -> None:
+    """Every case of both rows counts is timed in the child process and summarised."""
+    from bench import sampler
+
+    out = tmp_path / "sampler.json"
+    argv = ["--rows", "4,6", "--vocab", "64", "--reps", "5"]
+    result = sampler.main([*argv, "--output", str(out)])
+    written = json.loads(out.read_text())
+    assert written["median_ms"] == result["median_ms"]
+    cases = {f"{name} @ {rows}" for rows in (4, 6) for name in sampler.SETTINGS}
+    assert {f"sample {c}" for c in cases} | {f"argmax_rows @ {r}" for r in (4, 6)} <= set(
+        written["median_ms"]
+    )
+    assert all(row["jvllm"] > 0 for row in written["median_ms"].values())
+
+
 def test_plot_writes_pngs(tmp_path: Path) -> None:
     from bench import plot
 

@@ -19,6 +19,7 @@ from jvllm.layers.sampler import (
     SamplingRow,
     apply_penalties,
     apply_token_bitmask,
+    argmax_rows,
     filter_logits,
     make_sampling_metadata,
     penalty_entries_needed,
@@ -190,6 +191,20 @@ def test_greedy_is_argmax_and_padding_rows_are_greedy() -> None:
     rows = [_row(temperature=0.0), _row(temperature=1e-6, top_k=3, top_p=0.2)]
     md = make_sampling_metadata(rows, 6)
     np.testing.assert_array_equal(np.asarray(sample_jit(logits, md).token_ids), logits.argmax(-1))
+
+
+def test_argmax_rows_is_numpys_argmax_with_ties_infinities_and_nans() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 4, size=(9, 257)).astype(np.float32)  # many ties at the maximum
+    x[1] = -np.inf  # every entry -inf: the first index
+    x[2, [7, 200]] = np.inf
+    x[3, [5, 100]] = np.nan  # the first NaN wins, as in numpy
+    x[4, -1] = 1e30  # the last index
+    x[5] = 0.0
+    got = np.asarray(jax.jit(argmax_rows)(x))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax_rows)(x[0])), np.argmax(x[0]))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
