@@ -84,6 +84,11 @@ if [ "$(left)" -gt 240 ]; then
   step startup 150 "$PY" bench/startup.py --preset cpu --rounds 1 --warm 1 \
     --output "$RESULTS/startup_gpu.json"
 fi
+if [ "$(left)" -gt 240 ]; then
+  # The sampler alone at Llama-3's vocabulary: jnp.argmax against argmax_rows here.
+  step sampler 45 "$PY" bench/sampler.py --rows 64,256 --vocab 128256 --reps 20 \
+    --output "$RESULTS/sampler_gpu.json"
+fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
   step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
@@ -105,6 +110,10 @@ fi
 echo "=== deviceless predictions (tests/gpu_compile, no GPU) | this GPU"
 timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.json" 2>&1 |
   tee "$LOGS/predictions.log" | grep -v "^W\|^I0"
+if [ -f "$LOGS/sampler.log" ]; then
+  echo "=== sampler alone, vocabulary 128256 (median ms a call)"
+  grep -A16 "^ *case " "$LOGS/sampler.log" | tail -16
+fi
 if [ -f "$LOGS/device-idle.log" ]; then
   echo "=== device idle under async scheduling (goal: at most 10% at 256 sequences)"
   grep "device idle" "$LOGS/device-idle.log" | tail -1
