@@ -22,6 +22,8 @@ if "--child" in sys.argv:  # the measured checkout's jvllm, ahead of this one (b
 
 import argparse
 import json
+import logging
+import re
 import statistics
 import subprocess
 import tempfile
@@ -71,6 +73,7 @@ def child(
 
         setattr(owner, name, wrapper)
 
+    compiles = _record_compiles()
     timed(engine_args, "load_model", "load_model_s")
     timed(engine_args, "load_tokenizer", "tokenizer_s")
     timed(model_runner.ModelRunner, "warm_up", "warm_up_s")
@@ -92,10 +95,47 @@ def child(
         import_s=time.time() - float(launched) - (built - imported),
         llm_s=built - t,
         **phases,
+        cpu_s=time.process_time(),
         programs=runner.num_compilations,
         programs_loaded=None if store is None else store.loaded,
         programs_written=None if store is None else store.written,
+        compiles=compiles,
     )
+
+
+# JAX's log lines for each program it traces, lowers and compiles (at DEBUG unless
+# jax_log_compiles), e.g. "Finished XLA compilation of jit(forward) in 0.91 sec".
+_PHASES = (
+    ("trace", re.compile(r"Finished tracing (\S+) for jit in ([0-9.e+-]+) sec")),
+    (
+        "lower",
+        re.compile(r"Finished jaxpr to MLIR module conversion jit\((.+?)\) in ([0-9.e+-]+) sec"),
+    ),
+    ("compile", re.compile(r"Finished XLA compilation of jit\((.+?)\) in ([0-9.e+-]+) sec")),
+)
+
+
+def _record_compiles() -> dict[str, dict[str, float]]:
+    """Seconds and counts per phase and program ("compile forward", "trace sample", ...)
+    summed over this process's JAX log lines, filled in as they come; the lines are
+    kept out of the output."""
+    totals: dict[str, dict[str, float]] = {}
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            for phase, pattern in _PHASES:
+                if match := pattern.search(message):
+                    program, seconds = match.groups()
+                    entry = totals.setdefault(f"{phase} {program}", {"count": 0, "s": 0.0})
+                    entry["count"] += 1
+                    entry["s"] = round(entry["s"] + float(seconds), 3)
+
+    log = logging.getLogger("jax")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Collect(logging.DEBUG))
+    log.propagate = False
+    return totals
 
 
 def start(source: Path, model_dir: Path, cache_dir: Path, preset: str) -> dict[str, Any]:
@@ -148,10 +188,19 @@ def main(argv: Sequence[str]) -> None:
     summary = {
         name: {kind: summarize(rs) for kind, rs in kinds.items()} for name, kinds in runs.items()
     }
-    headers = ["source", "start", "LLM() s", "process s", "warm_up s", "tokenizer s", "import s"]
+    headers = [
+        "source",
+        "start",
+        "LLM() s",
+        "process s",
+        "CPU s",
+        "warm_up s",
+        "tokenizer s",
+        "import s",
+    ]
     rows = [
-        [name, kind, s["llm_s"], s["process_s"], s.get("warm_up_s"), s.get("tokenizer_s"),
-         s["import_s"]]
+        [name, kind, s["llm_s"], s["process_s"], s.get("cpu_s"), s.get("warm_up_s"),
+         s.get("tokenizer_s"), s["import_s"]]
         for name, kinds in summary.items()
         for kind, s in kinds.items()
     ]  # fmt: skip

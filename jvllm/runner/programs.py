@@ -107,6 +107,7 @@ class ExecutableStore:
         self.directory = Path(directory) / scope[:32]
         self.loaded = 0  # executables read from disk by this store
         self.written = 0
+        self._count_lock = threading.Lock()  # warm-up gets executables from several threads
 
     def get(self, name: str, jitted: Any, args: tuple, kwargs: dict) -> jax.stages.Compiled:
         """The executable of `jitted` for this call: read from disk, else compiled and
@@ -121,7 +122,8 @@ class ExecutableStore:
                 compiled = serialize_executable.deserialize_and_load(
                     payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids]
                 )
-                self.loaded += 1
+                with self._count_lock:
+                    self.loaded += 1
                 return compiled
             except Exception as e:  # noqa: BLE001 - a bad file is rebuilt, never fatal
                 logger.warning("Stored executable %s unreadable (%s); compiling again", path, e)
@@ -146,7 +148,8 @@ class ExecutableStore:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as f:
             f.write(payload)
         os.replace(f.name, path)
-        self.written += 1
+        with self._count_lock:
+            self.written += 1
 
 
 class Program:
