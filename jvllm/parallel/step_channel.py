@@ -23,6 +23,7 @@ The store is reached through `jax._src.distributed.global_state.client`, the cli
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -182,10 +183,16 @@ class Liveness:
     def start(self) -> Liveness:
         self._beat()
         self._thread.start()
+        # At exit, before JAX's own handler (registered earlier, run later) shuts the
+        # coordination service down: a beat after that is no lost peer.
+        atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
+        """Ends the heartbeats and the watch; waits for a beat in progress."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * HEARTBEAT_PERIOD_S)
 
     def alive(self) -> bool:
         return self.lost is None
@@ -203,7 +210,8 @@ class Liveness:
                 self._beat()
                 values = {peer: self._read(peer) for peer in self.peers}
             except Exception as e:
-                self._lose(f"the coordination service stopped answering ({e})")
+                if not self._stop.is_set():  # stopped: the service may be going away
+                    self._lose(f"the coordination service stopped answering ({e})")
                 return
             now = time.monotonic()
             for peer, value in values.items():

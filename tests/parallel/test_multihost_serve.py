@@ -8,12 +8,23 @@ the step messages' encoding."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from jvllm.parallel.step_channel import StepMessage, _first_difference
+from jvllm.parallel.step_channel import (
+    HEARTBEAT_PERIOD_S,
+    Liveness,
+    StepMessage,
+    _first_difference,
+)
 from tests.server import ServerProcess, free_port
 
 ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
@@ -175,3 +186,57 @@ def test_first_difference_names_the_field():
     b = {"engine_args": {"max_num_seqs": 4, "dtype": "auto"}, "config": "abc"}
     assert _first_difference(a, a) is None
     assert _first_difference(a, b) == ("engine_args.max_num_seqs", 8, 4)
+
+
+def _coordination_service() -> tuple[Any, Any]:
+    """A one-process jax.distributed coordination service and a connected client,
+    outside JAX's global state."""
+    from jax._src.lib import _jax
+
+    port = free_port()
+    service = _jax.get_distributed_runtime_service(f"127.0.0.1:{port}", 1)
+    client = _jax.get_distributed_runtime_client(f"127.0.0.1:{port}", 0, init_timeout=30)
+    client.connect()
+    return service, client
+
+
+@pytest.mark.parametrize("stopped_first", [True, False])
+def test_liveness_stopped_before_the_service_goes_reports_no_loss(stopped_first: bool) -> None:
+    """As at exit (`atexit` stops the heartbeats before JAX shuts the service down): the
+    service going away after `stop()` is no lost peer; without the stop it is one."""
+    service, client = _coordination_service()
+    lost: list[str] = []
+    liveness = Liveness(client, 0, 1, lost.append).start()
+    time.sleep(2 * HEARTBEAT_PERIOD_S)  # beats while the service answers
+    assert lost == [] and liveness.alive()
+    if stopped_first:
+        liveness.stop()
+    client.shutdown()
+    service.shutdown()
+    time.sleep(3 * HEARTBEAT_PERIOD_S)
+    liveness.stop()
+    if stopped_first:
+        assert lost == [] and liveness.alive()
+    else:
+        assert len(lost) == 1 and "coordination service stopped answering" in lost[0]
+
+
+def test_a_process_with_liveness_exits_cleanly_after_jax_shuts_down() -> None:
+    """The heartbeats stop at exit before JAX shuts the coordination service down; a
+    process that lingers after that (here an exit handler that runs last) still exits
+    with status 0, not as a process that lost its peers."""
+    script = f"""
+import atexit, time
+atexit.register(time.sleep, {4 * HEARTBEAT_PERIOD_S})  # registered first: runs last
+import jax
+jax.distributed.initialize("127.0.0.1:{free_port()}", 1, 0)
+from jvllm.parallel import step_channel
+step_channel.start_liveness(0, 1)
+time.sleep({2 * HEARTBEAT_PERIOD_S})
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stopped answering" not in done.stderr
