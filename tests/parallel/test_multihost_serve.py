@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+import threading
 from typing import Any
 
 import httpx
@@ -20,7 +20,6 @@ import openai
 import pytest
 
 from jvllm.parallel.step_channel import (
-    HEARTBEAT_PERIOD_S,
     Liveness,
     StepMessage,
     _first_difference,
@@ -206,33 +205,48 @@ def test_liveness_stopped_before_the_service_goes_reports_no_loss(stopped_first:
     service going away after `stop()` is no lost peer; without the stop it is one."""
     service, client = _coordination_service()
     lost: list[str] = []
-    liveness = Liveness(client, 0, 1, lost.append).start()
-    time.sleep(2 * HEARTBEAT_PERIOD_S)  # beats while the service answers
-    assert lost == [] and liveness.alive()
+    reported = threading.Event()
+
+    def on_lost(reason: str) -> None:
+        lost.append(reason)
+        reported.set()
+
+    liveness = Liveness(client, 0, 1, on_lost).start()
+    assert liveness.alive()
     if stopped_first:
-        liveness.stop()
+        liveness.stop()  # returns once the watch has ended: no beat can follow
     client.shutdown()
     service.shutdown()
-    time.sleep(3 * HEARTBEAT_PERIOD_S)
-    liveness.stop()
     if stopped_first:
         assert lost == [] and liveness.alive()
     else:
+        assert reported.wait(timeout=60), "the watch never noticed the service was gone"
+        liveness.stop()
         assert len(lost) == 1 and "coordination service stopped answering" in lost[0]
 
 
 def test_a_process_with_liveness_exits_cleanly_after_jax_shuts_down() -> None:
-    """The heartbeats stop at exit before JAX shuts the coordination service down; a
-    process that lingers after that (here an exit handler that runs last) still exits
-    with status 0, not as a process that lost its peers."""
+    """The heartbeats stop at exit before JAX shuts the coordination service down: a
+    process whose last exit handler (run after JAX's) waits for the watch to end still
+    exits with status 0, not as a process that lost its peers (a watch left running
+    beats into the closed service and ends the process with status 1)."""
     script = f"""
-import atexit, time
-atexit.register(time.sleep, {4 * HEARTBEAT_PERIOD_S})  # registered first: runs last
+import atexit
+
+
+def wait_for_the_watch():
+    from jvllm.parallel import step_channel
+
+    step_channel.current_liveness()._thread.join(timeout=60)
+
+
+# Registered before anything imports JAX, so run after JAX's handler: the watch must
+# have ended by then, or it would find the service gone.
+atexit.register(wait_for_the_watch)
 import jax
-jax.distributed.initialize("127.0.0.1:{free_port()}", 1, 0)
 from jvllm.parallel import step_channel
+jax.distributed.initialize("127.0.0.1:{free_port()}", 1, 0)
 step_channel.start_liveness(0, 1)
-time.sleep({2 * HEARTBEAT_PERIOD_S})
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
