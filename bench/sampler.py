@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(child(args)))
         return {}
     result = common.envelope(__file__, argv)
-    child_argv = [a for a in argv if a not in ("--baseline-src", str(args.baseline_src))]
+    child_argv = ["--rows", args.rows, "--vocab", str(args.vocab), "--reps", str(args.reps)]
     sources = {"jvllm": ROOT}
     if args.baseline_src is not None:
         sources["baseline"] = args.baseline_src.resolve()
