@@ -61,6 +61,7 @@ from jvllm.runner.input_batch import (
     pow2_buckets,
     token_buckets,
 )
+from jvllm.runner.memory import retain_freed_host_memory
 from jvllm.runner.programs import ExecutableStore, Program, scope_digest
 from jvllm.runner.step_programs import StepPrograms
 from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
@@ -148,6 +149,8 @@ class ModelRunner:
             draft_probs_shape=q_shape if self.drafter is not None else None,
             bring_in_shardings=bring_in_shardings,
         )
+        if jax.local_devices()[0].platform == "cpu":
+            retain_freed_host_memory()  # XLA:CPU's temporaries, reused step after step
         self.caches = self._allocate_cache(num_blocks)
         store = self.executable_store = self._executable_store(executable_dir)
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+
+import pytest
+
 from jvllm.models.spec import spec_from_hf_config
 from jvllm.runner import memory
 
@@ -39,3 +44,52 @@ def test_blocks_fill_the_budget_up_to_what_sequences_can_use():
 
 def test_reserve_is_four_float32_logits_arrays():
     assert memory.activation_reserve(2048, 128256) == 4 * 2048 * 128256 * 4
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",  # bytes the heap holds from the kernel (sbrk)
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",  # bytes in blocks mapped on their own (mmap)
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",  # free bytes the heap keeps
+            "keepcost",
+        )
+    ]
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+def test_freed_host_memory_is_kept_in_the_heap_for_the_next_step():
+    """A 48 MiB block (over glibc's 32 MiB mapping limit) comes from the heap once the
+    settings apply, and the heap keeps it when freed: the next one lands where it was,
+    in pages already faulted in."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc older than 2.33")
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 48 << 20
+    assert memory.retain_freed_host_memory()  # what a runner on CPU devices calls
+    mapped_before = libc.mallinfo2().hblkhd
+    first = libc.malloc(size)
+    assert first
+    assert libc.mallinfo2().hblkhd == mapped_before  # not a mapping of its own
+    libc.free(first)
+    assert libc.mallinfo2().fordblks >= size  # kept, not trimmed
+    second = libc.malloc(size)
+    libc.free(second)
+    assert second == first
+
+
+def test_retaining_freed_memory_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(memory.DISABLE_HEAP_RETAIN_ENV, "0")
+    assert memory.retain_freed_host_memory.__wrapped__() is False
