@@ -3,7 +3,8 @@
 Times `jvllm.layers.sampler.sample` jitted over `[rows, vocab]` float32 logits (random
 normal, scale 3) with `rows - 2` real rows of one setting (greedy, temperature, top_p,
 top_k) and two padding rows, and the argmax of such logits as `jnp.argmax` and as
-`argmax_rows`. Medians and minima of `--reps` calls, alternating the kinds, in one
+`argmax_rows`, as a runner on CPU devices runs it (malloc keeping freed memory,
+`DRAW_ROWS_CPU`). Medians and minima of `--reps` calls, alternating the kinds, in one
 process. With `--baseline-src DIR` (another jvllm checkout, e.g. a `git worktree` of an
 older commit) the same is timed with that checkout's sampler in a second process, the
 two processes alternating `--rounds` times.
@@ -72,14 +73,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     import jvllm
     from jvllm.layers import sampler
+    from jvllm.runner import memory
     from jvllm.sampling_params import SamplingParams
+
+    # As a runner on CPU devices runs it (checkouts before these settings: without).
+    if hasattr(memory, "retain_freed_host_memory"):
+        memory.retain_freed_host_memory()
+    as_run = {"draw_rows": sampler.DRAW_ROWS_CPU} if hasattr(sampler, "DRAW_ROWS_CPU") else {}
 
     cases: dict[str, Any] = {}
     for num_rows in (int(r) for r in args.rows.split(",")):
         rng = np.random.default_rng(num_rows)
         logits = jnp.asarray(3 * rng.standard_normal((num_rows, args.vocab)), jnp.float32)
         last = jnp.zeros(num_rows, jnp.int32)
-        sample = jax.jit(lambda lg, md, li: sampler.sample(lg, md, li).token_ids)
+        sample = jax.jit(lambda lg, md, li: sampler.sample(lg, md, li, **as_run).token_ids)
         calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         for name, knobs in SETTINGS.items():
             params = SamplingParams(**knobs)

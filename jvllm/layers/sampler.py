@@ -54,6 +54,10 @@ MIN_PENALTY_ENTRIES = 8192
 # Logits per row that top_k/top_p read through `lax.top_k` before falling back to a
 # bisection over the whole vocabulary.
 TOP_CANDIDATES = 64
+# Rows a sampled draw takes at a time on XLA:CPU. Its noise, V float32 a row and
+# several intermediates of that size, stays in the caches: at 256 rows of an 8192
+# vocabulary, 8.1 against 17.3 ms for the whole batch at once (64 rows: 2.9 ms).
+DRAW_ROWS_CPU = 64
 
 
 @jax.tree_util.register_dataclass
@@ -101,6 +105,7 @@ def sample(
     md: SamplingMetadata,
     last_input: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
+    draw_rows: int | None = None,
 ) -> SamplerOutput:
     """Choose one token per row; jit-compatible, no branching on parameter values.
 
@@ -109,6 +114,8 @@ def sample(
     `md.draft_q_rows`; rows with a draft token are decided by `rejection_sample`.
     Row i's token depends only on logits[i] and row i's parameters, seed and step index,
     never on the other rows or on how many padding rows the batch carries.
+    `draw_rows`: sampled draws go this many rows at a time (`DRAW_ROWS_CPU`), the same
+    tokens.
     """
     logits = logits.astype(jnp.float32)  # [S, V]
     if last_input is None:
@@ -118,7 +125,7 @@ def sample(
     greedy_ids = argmax_rows(penalised)  # [S]
 
     def mixed() -> jax.Array:
-        return jnp.where(greedy, greedy_ids, _draw(filter_logits(penalised, md), md))
+        return jnp.where(greedy, greedy_ids, _draw(filter_logits(penalised, md), md, draw_rows))
 
     # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
     token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
@@ -385,12 +392,24 @@ def inverse_cdf_draw(weights: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.sum(cdf <= threshold), weights.shape[-1] - 1).astype(jnp.int32)
 
 
-def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Gumbel-max from softmax(filtered), one independent key per row (`_exponentials`)."""
+def _draw(filtered: jax.Array, md: SamplingMetadata, rows: int | None = None) -> jax.Array:
+    """Gumbel-max from softmax(filtered), one independent key per row (`_exponentials`);
+    with `rows`, that many rows at a time (`lax.map` over whole groups, then the rest)."""
     keys = jax.vmap(_row_key)(md.seeds, md.step_index)
+    num_rows, vocab = filtered.shape
+    if rows is None or num_rows <= rows:
+        return _race(filtered, keys)
+    whole = num_rows // rows * rows
+    groups = (filtered[:whole].reshape(-1, rows, vocab), keys[:whole].reshape(-1, rows))
+    head = lax.map(lambda group: _race(*group), groups).reshape(whole)
+    if whole == num_rows:
+        return head
+    return jnp.concatenate([head, _race(filtered[whole:], keys[whole:])])
+
+
+def _race(filtered: jax.Array, keys: jax.Array) -> jax.Array:
     weights = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))  # dropped: 0
-    noise = _exponentials(keys, filtered.shape[-1])
-    return argmax_rows(weights / noise)
+    return argmax_rows(weights / _exponentials(keys, filtered.shape[-1]))
 
 
 def _exponentials(keys: jax.Array, vocab: int) -> jax.Array:

@@ -45,6 +45,13 @@ class StepPrograms:
         return pp_size(self.mesh)
 
     @property
+    def draw_rows(self) -> int | None:
+        """Rows a sampled draw takes at a time: `DRAW_ROWS_CPU` on CPU devices (those of
+        the weights: a compile-only runner's are its target's), all at once elsewhere."""
+        device = next(iter(jax.tree.leaves(self.model.params)[0].sharding.device_set))
+        return sampler.DRAW_ROWS_CPU if device.platform == "cpu" else None
+
+    @property
     def num_target_layers(self) -> int:
         return self.model.spec.num_layers
 
@@ -143,7 +150,7 @@ class StepPrograms:
         last_input: jax.Array,
         draft_probs: jax.Array | None = None,
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        out = sampler.sample(logits, md, last_input, draft_probs)
+        out = sampler.sample(logits, md, last_input, draft_probs, self.draw_rows)
         # Placed as the forward expects it (`_padded`): no second forward program.
         padded = self._padded(out.token_ids, self.max_rows)
         return out, padded  # padded [R]: the next step's placeholders read it

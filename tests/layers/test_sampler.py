@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -303,14 +304,16 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
     assert np.all(np.abs(freq - want) <= bound), (freq, want)
 
 
-def test_the_draw_is_jax_gumbel_max_of_the_row_key() -> None:
+@pytest.mark.parametrize("num, draw_rows", [(512, None), (200, 64)])
+def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, draw_rows: int | None) -> None:
     """The exponential race picks the token JAX's own Gumbel-max picks from the row's key
-    (`jax.random.gumbel`), token for token: the same draw, computed with fewer logs."""
-    num = 512
+    (`jax.random.gumbel`), token for token: the same draw, computed with fewer logs, and
+    the same when the rows go `draw_rows` at a time (200 rows: three groups of 64 and 8)."""
+    draw = jax.jit(functools.partial(sample, draw_rows=draw_rows))
     for vocab, scale in ((8192, 1.0), (40, 3.0)):
         logits = _logits(num, vocab, seed=vocab, scale=scale)
         rows = [_row(seed=7 * i, step=i % 9, temperature=1.0) for i in range(num)]
-        tokens = np.asarray(sample_jit(logits, make_sampling_metadata(rows, num)).token_ids)
+        tokens = np.asarray(draw(logits, make_sampling_metadata(rows, num)).token_ids)
         seeds, steps = np.arange(num) * 7, np.arange(num) % 9
 
         def gumbel(seed: jax.Array, step: jax.Array, vocab: int = vocab) -> jax.Array:
