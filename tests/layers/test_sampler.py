@@ -308,7 +308,7 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
 def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, draw_rows: int | None) -> None:
     """The exponential race picks the token JAX's own Gumbel-max picks from the row's key
     (`jax.random.gumbel`), token for token: the same draw, computed with fewer logs, and
-    the same when the rows go `draw_rows` at a time (200 rows: three groups of 64 and 8)."""
+    the same when the rows go in groups of at most `draw_rows` (200 rows: four of 50)."""
     draw = jax.jit(functools.partial(sample, draw_rows=draw_rows))
     for vocab, scale in ((8192, 1.0), (40, 3.0)):
         logits = _logits(num, vocab, seed=vocab, scale=scale)
@@ -322,6 +322,21 @@ def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, draw_rows: int | No
 
         noise = np.asarray(jax.vmap(gumbel)(seeds, steps))
         np.testing.assert_array_equal(tokens, np.argmax(logits + noise, axis=-1))
+
+
+def test_grouped_rows_filter_and_draw_the_same_tokens() -> None:
+    """Filtering and drawing in equal groups of rows (`draw_rows`, as on CPU devices)
+    gives every row the token it gets with the whole batch at once, for every filter."""
+    num, vocab = 160, 300
+    logits = _logits(num, vocab, seed=11, scale=2.5)
+    rows = [
+        _row(seed=31 * i, step=i % 5, **FILTER_CASES[i % len(FILTER_CASES)]) for i in range(num)
+    ]
+    md = make_sampling_metadata(rows, num)
+    whole = np.asarray(sample_jit(logits, md).token_ids)
+    for most in (64, 128):  # four groups of 40; two of 80
+        grouped = jax.jit(functools.partial(sample, draw_rows=most))
+        np.testing.assert_array_equal(np.asarray(grouped(logits, md).token_ids), whole)
 
 
 def test_one_seed_across_steps_matches_distribution() -> None:
