@@ -11,6 +11,9 @@ tokens/s of each, the ratio, and whether the greedy outputs agree token for toke
 Workloads (uniform lengths, seeded): mix48 is 48 requests with 32-384 prompt and
 16-192 output tokens; mix256 is 256 requests with 16-160 and 8-96. Both use default
 engine arguments but max_model_len (1024). VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB.
+`--baseline-src DIR` adds another jvllm checkout as a third engine in each round.
+`--temperature T` samples every request at T instead (vllm bench serve's default is
+1.0): outputs then differ and only the speeds are compared.
 """
 
 from __future__ import annotations
@@ -54,7 +57,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="A B pairs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="another jvllm checkout (e.g. a git worktree), run as a third engine",
+    )
     p.add_argument("--jvllm-engine", default="{}", help="extra LLM() keywords, as JSON")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every request at this temperature (default greedy: outputs compared)",
+    )
     p.add_argument(
         "--hf", action="store_true", help="also time Hugging Face generate (once, in-process)"
     )
@@ -78,9 +92,14 @@ def make_requests(workload: str, seed: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_once(python: str, engine: str, spec_path: Path) -> dict[str, Any]:
+def run_once(
+    python: str, engine: str, spec_path: Path, source: Path | None = None
+) -> dict[str, Any]:
+    """One run in a fresh process; `source`: a jvllm checkout imported instead of this one."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if source is not None:  # ahead of the installed jvllm (the script's own folder is bench/)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
     script = Path(__file__).with_name("peer_run.py")
     proc = subprocess.run(
         [python, str(script), engine, str(spec_path)],
@@ -104,22 +123,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     requests = make_requests(args.workload, args.seed)
     engine = {"dtype": "float32", "max_model_len": PEER_PRESET.max_model_len}
     spec = {"model": str(model_dir), "requests": requests, "engine": engine}
-    spec_path = args.models_dir / f"peer_{args.workload}_requests.json"
+    label = args.workload if args.temperature == 0 else f"{args.workload}_t{args.temperature:g}"
+    if args.temperature:
+        spec["temperature"] = args.temperature
+    spec_path = args.models_dir / f"peer_{label}_requests.json"
     jv_spec = dict(spec, engine=engine | json.loads(args.jvllm_engine))
     jv_path = spec_path.with_suffix(".jvllm.json")
     spec_path.write_text(json.dumps(spec))
     jv_path.write_text(json.dumps(jv_spec))
-    engines = [("jvllm", sys.executable, jv_path)]
+    engines: list[tuple[str, str, Path, Path | None]] = [("jvllm", sys.executable, jv_path, None)]
+    if args.baseline_src is not None:
+        engines.append(("baseline", sys.executable, jv_path, args.baseline_src.resolve()))
     if args.peer_python:
-        engines.append(("vllm", args.peer_python, spec_path))
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in engines}
+        engines.append(("vllm", args.peer_python, spec_path, None))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in engines}
     for round_index in range(args.rounds):
-        for name, python, path in engines:
+        for name, python, path, source in engines:
             common.log(f"round {round_index + 1}/{args.rounds}: {name} ...")
-            run = run_once(python, name, path)
+            run = run_once(python, "vllm" if name == "vllm" else "jvllm", path, source)
             common.log(f"  {run['output_tokens_per_s']:.1f} output tok/s")
             runs[name].append(run)
-    result.update(summarise(args.workload, requests, runs))
+    result.update(summarise(args.workload, requests, runs, args.temperature))
     result.update(roofline(requests, runs))
     if args.hf:
         common.log("Hugging Face generate ...")
@@ -128,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result["median_output_tokens_per_s"]["jvllm"] / result["hf"]["output_tokens_per_s"]
         )
     print_report(result)
-    common.write_result(args.output or common.RESULTS_DIR / f"peer_{args.workload}.json", result)
+    common.write_result(args.output or common.RESULTS_DIR / f"peer_{label}.json", result)
     return result
 
 
@@ -156,11 +180,14 @@ def run_hf(model_dir: Path, requests: list[tuple[list[int], int]]) -> dict[str, 
     return run_hf_batches(model_dir, preset, bench_requests, False, len(requests))
 
 
-def summarise(workload: str, requests: list, runs: dict[str, list[dict]]) -> dict[str, Any]:
+def summarise(
+    workload: str, requests: list, runs: dict[str, list[dict]], temperature: float = 0.0
+) -> dict[str, Any]:
     tokens = {name: r[0]["tokens"] for name, r in runs.items()}
     out: dict[str, Any] = dict(
         workload=dict(
             name=workload,
+            temperature=temperature,
             num_requests=len(requests),
             input_tokens=sum(len(ids) for ids, _ in requests),
             output_tokens=sum(n for _, n in requests),
@@ -174,14 +201,18 @@ def summarise(workload: str, requests: list, runs: dict[str, list[dict]]) -> dic
             for name, rs in runs.items()
         },
     )
+    med = out["median_output_tokens_per_s"]
+    if "baseline" in runs:
+        out["ratio_jvllm_over_baseline"] = med["jvllm"] / med["baseline"]
     if "vllm" in runs:
-        med = out["median_output_tokens_per_s"]
         out["ratio_jvllm_over_vllm"] = med["jvllm"] / med["vllm"]
-        same = [a == b for a, b in zip(tokens["jvllm"], tokens["vllm"], strict=True)]
+    if "vllm" in runs and temperature == 0:
+        pair = tokens["jvllm"], tokens["vllm"]
+        same = [a == b for a, b in zip(*pair, strict=True)]
         out["greedy_outputs_identical"] = sum(same)
         # Random weights make near-ties: a request may part ways after a long common prefix.
         out["common_prefix_fraction"] = float(
-            np.mean([_common_prefix(a, b) / len(a) for a, b in zip(*tokens.values(), strict=True)])
+            np.mean([_common_prefix(a, b) / len(a) for a, b in zip(*pair, strict=True)])
         )
     return out
 
@@ -201,13 +232,17 @@ def print_report(result: dict[str, Any]) -> None:
     width = max(len(r) for r in rows)
     headers = ["engine", "median out tok/s", *[f"run {i + 1}" for i in range(width - 2)]]
     print(common.format_table(headers, [r + [""] * (width - len(r)) for r in rows]))
-    if "ratio_jvllm_over_vllm" in result:
+    if "greedy_outputs_identical" in result:
         n = result["workload"]["num_requests"]
         print(
             f"jvllm / vLLM: {result['ratio_jvllm_over_vllm']:.2f}x; greedy outputs identical for "
             f"{result['greedy_outputs_identical']}/{n} requests "
             f"(mean common prefix {100 * result['common_prefix_fraction']:.1f}%)"
         )
+    elif "ratio_jvllm_over_vllm" in result:
+        print(f"jvllm / vLLM: {result['ratio_jvllm_over_vllm']:.2f}x (sampled outputs)")
+    if "ratio_jvllm_over_baseline" in result:
+        print(f"jvllm / baseline: {result['ratio_jvllm_over_baseline']:.2f}x")
     peak = result["yardstick"]["peak_flops"]
     print(
         f"matmul roofline {peak / 1e9:.0f} GFLOP/s: "

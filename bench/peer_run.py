@@ -4,8 +4,9 @@ Run by `bench/peer.py` in a fresh process per run, with jvllm's python or with t
 python of vLLM's own environment (`../shared/peer/setup-vllm-cpu.sh`), so it imports
 nothing but the standard library and the engine it drives. The request file holds
 `{"model": dir, "requests": [[prompt_token_ids, output_len], ...], "engine": {...}}`.
-Every request is greedy with EOS ignored, so both engines produce the same number of
-tokens; the timing covers `generate` alone (start-up is reported separately).
+Every request is greedy (or samples at the file's "temperature", default 0) with EOS
+ignored, so both engines produce the same number of tokens; the timing covers
+`generate` alone (start-up is reported separately).
 
     python bench/peer_run.py jvllm requests.json
 """
@@ -13,6 +14,7 @@ tokens; the timing covers `generate` alone (start-up is reported separately).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -23,8 +25,10 @@ def run_jvllm(spec: dict) -> tuple[float, float, list[list[int]]]:
     started = time.perf_counter()
     llm = LLM(spec["model"], **spec["engine"])
     start_s = time.perf_counter() - started
+    temperature = spec.get("temperature", 0.0)
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in spec["requests"]
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+        for _, n in spec["requests"]
     ]
     prompts = [{"prompt_token_ids": ids} for ids, _ in spec["requests"]]
     t0 = time.perf_counter()
@@ -46,8 +50,10 @@ def run_vllm(spec: dict) -> tuple[float, float, list[list[int]]]:
         seed=0,
     )
     start_s = time.perf_counter() - started
+    temperature = spec.get("temperature", 0.0)
     params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in spec["requests"]
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
+        for _, n in spec["requests"]
     ]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in spec["requests"]]
     t0 = time.perf_counter()
@@ -63,8 +69,10 @@ def main() -> None:
         spec = json.load(f)
     start_s, elapsed, tokens = (run_jvllm if engine == "jvllm" else run_vllm)(spec)
     out_tokens = sum(len(t) for t in tokens)
+    module = sys.modules["jvllm" if engine == "jvllm" else "vllm"]
     result = dict(
         engine=engine,
+        source=os.path.dirname(module.__file__ or ""),
         start_s=start_s,
         elapsed_s=elapsed,
         output_tokens=out_tokens,

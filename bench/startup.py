@@ -186,7 +186,8 @@ def main(argv: Sequence[str]) -> None:
                         f"({result['programs_loaded']} loaded)"
                     )
     summary = {
-        name: {kind: summarize(rs) for kind, rs in kinds.items()} for name, kinds in runs.items()
+        name: {kind: summarize(rs) for kind, rs in kinds.items() if rs}  # --warm 0: no warm
+        for name, kinds in runs.items()
     }
     headers = [
         "source",

@@ -98,8 +98,8 @@ def retain_freed_host_memory() -> bool:
     instead of handing each back to the kernel. Called once a process by a runner on CPU
     devices, where XLA allocates every program's temporaries at every call: glibc maps
     any block over 32 MiB afresh and unmaps it when freed, so each call faulted in and
-    zeroed every page again (the sampler at 256 rows of an 8192 vocabulary: 14.6 ms
-    greedy, 4.3 ms with this; `bench/sampler.py`). The heap keeps the step's peak, which
+    zeroed every page again (the sampler at 256 rows of an 8192 vocabulary: 16.5 ms
+    greedy, 2.7 ms with this; `bench/sampler.py`). The heap keeps the step's peak, which
     the next step needs anyway. `JVLLM_CPU_RETAIN_FREED_MEMORY=0` leaves malloc alone.
     Returns whether the settings were applied (not on other C libraries)."""
     if os.environ.get(DISABLE_HEAP_RETAIN_ENV, "1") == "0":

@@ -46,8 +46,8 @@ class StepPrograms:
 
     @property
     def draw_rows(self) -> int | None:
-        """Rows a sampled draw takes at a time: `DRAW_ROWS_CPU` on CPU devices (those of
-        the weights: a compile-only runner's are its target's), all at once elsewhere."""
+        """Most rows the sampler filters and draws at a time: `DRAW_ROWS_CPU` on CPU
+        devices (the weights': a compile-only runner's are its target's), else all."""
         device = next(iter(jax.tree.leaves(self.model.params)[0].sharding.device_set))
         return sampler.DRAW_ROWS_CPU if device.platform == "cpu" else None
 
