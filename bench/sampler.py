@@ -3,7 +3,7 @@
 Times `jvllm.layers.sampler.sample` jitted over `[rows, vocab]` float32 logits (random
 normal, scale 3) with `rows - 2` real rows of one setting (greedy, temperature, top_p,
 top_k) and two padding rows, and the argmax of such logits as `jnp.argmax` and as
-`argmax_rows`, as a runner on CPU devices runs it (malloc keeping freed memory,
+`argmax_rows`, as a runner runs it (on CPU devices: malloc keeping freed memory,
 `DRAW_ROWS_CPU`). Medians and minima of `--reps` calls, alternating the kinds, in one
 process. With `--baseline-src DIR` (another jvllm checkout, e.g. a `git worktree` of an
 older commit) the same is timed with that checkout's sampler in a second process, the
@@ -76,10 +76,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from jvllm.runner import memory
     from jvllm.sampling_params import SamplingParams
 
-    # As a runner on CPU devices runs it (checkouts before these settings: without).
-    if hasattr(memory, "retain_freed_host_memory"):
-        memory.retain_freed_host_memory()
-    as_run = {"draw_rows": sampler.DRAW_ROWS_CPU} if hasattr(sampler, "DRAW_ROWS_CPU") else {}
+    # As a runner runs it: on CPU devices with these settings (checkouts before them:
+    # without), elsewhere the whole batch at once.
+    as_run: dict[str, Any] = {}
+    if jax.default_backend() == "cpu":
+        if hasattr(memory, "retain_freed_host_memory"):
+            memory.retain_freed_host_memory()
+        if hasattr(sampler, "DRAW_ROWS_CPU"):
+            as_run["draw_rows"] = sampler.DRAW_ROWS_CPU
 
     cases: dict[str, Any] = {}
     for num_rows in (int(r) for r in args.rows.split(",")):
