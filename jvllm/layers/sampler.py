@@ -398,7 +398,7 @@ _DRAW_COLUMNS = ("temperature", "min_p", "top_k", "top_p", "seeds", "step_index"
 def _filter_and_draw(penalised: jax.Array, md: SamplingMetadata, most: int | None) -> jax.Array:
     """`_draw(filter_logits(penalised, md), md)`, over `_row_groups` equal groups of rows
     one after the other (`lax.map`) when `most` is given."""
-    num_rows, vocab = penalised.shape
+    num_rows = penalised.shape[0]
     groups = 1 if most is None else _row_groups(num_rows, most)
     if groups == 1:
         return _draw(filter_logits(penalised, md), md)

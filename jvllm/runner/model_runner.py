@@ -149,7 +149,7 @@ class ModelRunner:
             draft_probs_shape=q_shape if self.drafter is not None else None,
             bring_in_shardings=bring_in_shardings,
         )
-        if jax.local_devices()[0].platform == "cpu":
+        if self.step_programs.platform == "cpu":
             retain_freed_host_memory()  # XLA:CPU's temporaries, reused step after step
         self.caches = self._allocate_cache(num_blocks)
         store = self.executable_store = self._executable_store(executable_dir)

@@ -45,11 +45,16 @@ class StepPrograms:
         return pp_size(self.mesh)
 
     @property
+    def platform(self) -> str:
+        """Where the programs run: the weights' devices' platform (a compile-only
+        runner's is its target's, not this machine's)."""
+        return next(iter(jax.tree.leaves(self.model.params)[0].sharding.device_set)).platform
+
+    @property
     def draw_rows(self) -> int | None:
         """Most rows the sampler filters and draws at a time: `DRAW_ROWS_CPU` on CPU
-        devices (the weights': a compile-only runner's are its target's), else all."""
-        device = next(iter(jax.tree.leaves(self.model.params)[0].sharding.device_set))
-        return sampler.DRAW_ROWS_CPU if device.platform == "cpu" else None
+        devices, else all."""
+        return sampler.DRAW_ROWS_CPU if self.platform == "cpu" else None
 
     @property
     def num_target_layers(self) -> int:
