@@ -67,6 +67,12 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    @property
+    def ref_counts(self) -> list[int]:
+        """Every block's reference count, indexed by block id (read only: for loops that
+        ask of hundreds of blocks a step)."""
+        return self._ref_counts
+
     def generation(self, block_id: int) -> int:
         return self._generations[block_id]
 

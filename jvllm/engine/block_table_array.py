@@ -27,6 +27,11 @@ class BlockTableArray:
         """The request's row (it must hold one: its table was written)."""
         return self._row_of[request_id]
 
+    @property
+    def row_of(self) -> dict[str, int]:
+        """Request id -> its row, for reading many (the scheduler's per-row loop)."""
+        return self._row_of
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._row_of
 

@@ -106,6 +106,11 @@ class KVCacheManager:
         """A copy of the request's block table ([] when it holds no blocks)."""
         return list(self._block_tables.get(request_id, ()))
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block table itself, not a copy (it must hold one): valid until
+        the next allocation changes it."""
+        return self._block_tables[request_id]
+
     @property
     def num_allocated_blocks(self) -> int:
         return self.block_pool.num_usable_blocks - self.block_pool.num_free_blocks
@@ -140,6 +145,20 @@ class KVCacheManager:
                 break
             parent = content_ids[-1]
         return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size, host_hits)
+
+    def allocate_slot(self, request: Request) -> bool:
+        """`allocate_slots(request, 1)`, for a decode row: its common case, the token
+        landing in the request's own last block, checked first."""
+        table = self._block_tables.get(request.request_id)
+        if table and not self.num_lookahead_tokens:
+            block_size = self.block_size
+            computed = request.num_computed_tokens
+            offset = computed - (len(table) - 1) * block_size
+            if 0 <= offset < block_size and self.block_pool.ref_counts[table[-1]] == 1:
+                if offset == block_size - 1 and self.enable_prefix_caching:
+                    self._register_full_blocks(request, table, computed + 1)
+                return True
+        return self.allocate_slots(request, 1)
 
     def allocate_slots(
         self,

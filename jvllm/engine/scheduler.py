@@ -47,7 +47,9 @@ class ScheduledRequest(NamedTuple):
     request_id: str
     token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]
     start_position: int  # num_computed_tokens before the step: the position of token_ids[0]
-    block_table: list[int]  # covers at least start_position + len(token_ids) positions
+    # The request's table itself, valid until the next schedule(): it covers at least
+    # start_position + len(token_ids) positions.
+    block_table: list[int]
     samples: bool  # every known token is computed after this step, so one is sampled
     # Set when the row's one token is the one the previous step's row of this index
     # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
@@ -299,7 +301,9 @@ class Scheduler:
         )
 
     def _schedule_running(self, step: _Step) -> None:
-        running, kv = self.running, self.kv_cache_manager
+        running, kv, rows = self.running, self.kv_cache_manager, step.rows
+        max_model_len = self.scheduler_config.max_model_len
+        previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -319,11 +323,42 @@ class Scheduler:
             placeholders = request.num_output_placeholders
             num_outputs = len(request.output_token_ids) + placeholders
             num_tokens = len(request.prompt_token_ids) + num_outputs
-            # Its sampled tokens may end it by length: it finishes when the last
-            # placeholder is committed.
-            if placeholders and self._ends_by_length(request, num_outputs, num_tokens):
-                continue
-            num_new = min(num_tokens - request.num_computed_tokens, step.budget)
+            computed = request.num_computed_tokens
+            if placeholders:
+                # Its sampled tokens may end it by length: it finishes when the last
+                # placeholder is committed.
+                max_tokens = request.sampling_params.max_tokens
+                if num_tokens >= max_model_len or (
+                    max_tokens is not None and num_outputs >= max_tokens
+                ):
+                    continue
+                if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
+                    # The overlapped decode row (most rows of most steps): its one token
+                    # is the one the previous step samples, still on the device.
+                    if not (
+                        kv.allocate_slot(request) or self._allocate(step, request, 1, [request])
+                    ):
+                        return
+                    request_id = request.request_id
+                    step.sampling_rows[request_id] = len(rows)
+                    rows.append(
+                        ScheduledRequest(
+                            request_id,
+                            [PLACEHOLDER_TOKEN],
+                            computed,
+                            kv.block_table(request_id),
+                            True,
+                            previous_rows[request_id],
+                            0,
+                            table_rows[request_id],
+                        )
+                    )
+                    step.starts[request_id] = computed
+                    step.budget -= 1
+                    request.num_output_placeholders = 2
+                    request.num_computed_tokens = computed + 1
+                    continue
+            num_new = min(num_tokens - computed, step.budget)
             drafts = (
                 self._lookahead(request, num_new, step.budget) if request.spec_token_ids else []
             )
@@ -604,7 +639,7 @@ class Scheduler:
                 request_id,
                 token_ids,
                 start,
-                kv.get_block_table(request_id),
+                kv.block_table(request_id),
                 samples,
                 prev_step_row,
                 num_spec,

@@ -253,7 +253,20 @@ class SequenceGroup:
         """This step's output for the request's `output_kind`: everything so far, what is
         new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
         `final_only` (the offline API) the whole result, once finished."""
-        kind, finished = self.params.output_kind, self.finished
+        kind, children = self.params.output_kind, self.children
+        if kind == _CUMULATIVE and len(children) == 1 and not final_only:
+            # The common case, asked of every running request every step.
+            child = children[0]
+            return RequestOutput(
+                self.request_id,
+                self.prompt,
+                self.prompt_token_ids,
+                child.prompt_logprobs,
+                [child.completion()],
+                child.finished_status is not None,
+                child.request.num_cached_tokens or 0,
+            )
+        finished = self.finished
         if (final_only or kind == _FINAL_ONLY) and not finished:
             return None
         first = self.children[0]
@@ -287,4 +300,5 @@ class SequenceGroup:
 
 
 # Read once per request and step: a module constant, not an attribute of the enum class.
+_CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

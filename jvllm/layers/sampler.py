@@ -470,10 +470,15 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
     each the next power of two that holds its entries."""
     if len(rows) > num_rows:
         raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
+    n = len(rows)
+    # Every row's request constants (`SamplingParams.sampler_constants`), as [n, 8].
+    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), np.float64).reshape(n, 8)
     biased = [i for i, r in enumerate(rows) if r.banned_token_ids or r.params.logit_bias]
     needed = bias_entries_needed([rows[i] for i in biased])
     num_bias = max(MIN_BIAS_ENTRIES, 1 << max(needed - 1, 0).bit_length())
-    penalised = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    # `SamplingParams.uses_penalties` of each row, read from its constants at once.
+    penalties = constants[:, 4:7]
+    penalised = np.flatnonzero((penalties != (0.0, 0.0, 1.0)).any(axis=1)).tolist()
     histories = [_penalty_entries(rows[i]) for i in penalised]
     num_history = sum(len(ids) for ids, _ in histories)
     num_penalty = max(MIN_PENALTY_ENTRIES, 1 << max(num_history - 1, 0).bit_length())
@@ -498,16 +503,16 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
         draft_token_ids=np.full(num_rows, -1, np.int32),
         draft_q_rows=np.full(num_rows, -1, np.int32),
     )
-    _fill_scalars(md, rows)
+    _fill_scalars(md, rows, constants)
     _fill_biases(md, rows, biased)
     _fill_penalty_histories(md, penalised, histories)
     return md
 
 
-def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
-    """Per-row scalars: each row's request constants (`SamplingParams.sampler_constants`)
-    and its own five integers, each kind gathered in one pass (the per-step host cost
-    at hundreds of rows)."""
+def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow], constants: np.ndarray) -> None:
+    """Per-row scalars: each row's request constants (`constants`, the rows'
+    `SamplingParams.sampler_constants` as [rows, 8]) and its own five integers, each
+    kind gathered in one pass (the per-step host cost at hundreds of rows)."""
     n = len(rows)
     if not n:
         return
@@ -525,7 +530,6 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow]) -> None:
     md.pending_output[:n] = own[:, 2]
     md.draft_token_ids[:n] = own[:, 3]
     md.draft_q_rows[:n] = own[:, 4]
-    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), np.float64).reshape(n, 8)
     columns = (
         md.temperature,
         md.top_p,

@@ -1,5 +1,7 @@
 """KVCacheManager: block tables, prefix-cache hits and metrics, collisions, copy-on-write."""
 
+import random
+
 import pytest
 
 from jvllm.engine import kv_cache_manager
@@ -220,3 +222,65 @@ def test_swapped_siblings_copy_their_shared_full_blocks_once():
     kv.free("a")
     kv.free("b")
     assert kv.block_pool.num_free_blocks == kv.block_pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_allocate_slot_matches_allocate_slots_one_token(caching):
+    """The decode-row shortcut against the general path, on twin managers driven by the
+    same random trace (admissions with shared prefixes, forks that share a partial last
+    block, decode steps, frees): the same tables, copies, counts and cache at every step."""
+    rng = random.Random(7)
+    twins = [KVCacheManager(60, BS, enable_prefix_caching=caching) for _ in range(2)]
+    live: dict[str, list[Request]] = {}
+    for op in range(600):
+        kind = rng.random()
+        if kind < 0.15 or not live:
+            rid = f"r{op}"
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+            pair = [_request(rid, prompt) for _ in twins]
+            fits = [
+                kv.allocate_slots(r, r.num_tokens, kv.find_cached_prefix(r))
+                for kv, r in zip(twins, pair, strict=True)
+            ]
+            assert fits[0] == fits[1]
+            if fits[0]:
+                for r in pair:
+                    r.num_computed_tokens = r.num_tokens
+                live[rid] = pair
+        elif kind < 0.25:
+            source = rng.choice(sorted(live))
+            pair = [_request(f"f{op}", list(r.all_token_ids)) for r in live[source]]
+            shared = pair[0].num_tokens - 1
+            if shared:
+                for kv, r in zip(twins, pair, strict=True):
+                    kv.fork(source, r.request_id, shared)
+                    r.num_computed_tokens = shared
+                live[r.request_id] = pair
+        elif kind < 0.35:
+            rid = rng.choice(sorted(live))
+            for kv in twins:
+                kv.free(rid)
+            del live[rid]
+        else:
+            rid = rng.choice(sorted(live))
+            token = rng.randrange(3)
+            a, b = live[rid]
+            if a.num_computed_tokens == a.num_tokens:
+                for r in (a, b):
+                    r.output_token_ids.append(token)
+            fits = (twins[0].allocate_slot(a), twins[1].allocate_slots(b, 1))
+            assert fits[0] == fits[1], (op, rid)
+            if fits[0]:
+                a.num_computed_tokens += 1
+                b.num_computed_tokens += 1
+        for rid in live:
+            assert twins[0].get_block_table(rid) == twins[1].get_block_table(rid), (op, rid)
+        assert twins[0].take_blocks_to_copy() == twins[1].take_blocks_to_copy(), op
+        pools = [kv.block_pool for kv in twins]
+        assert pools[0].ref_counts == pools[1].ref_counts, op
+        assert pools[0].num_free_blocks == pools[1].num_free_blocks, op
+        assert twins[0].prefix_cache_hits == twins[1].prefix_cache_hits, op
+    for rid in list(live):
+        for kv in twins:
+            kv.free(rid)
+    assert all(count == 0 for kv in twins for count in kv.block_pool.ref_counts[1:])
