@@ -106,10 +106,11 @@ class KVCacheManager:
         """A copy of the request's block table ([] when it holds no blocks)."""
         return list(self._block_tables.get(request_id, ()))
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block table itself, not a copy (it must hold one): valid until
-        the next allocation changes it."""
-        return self._block_tables[request_id]
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Request id -> its block table itself, not a copy (read only; a table is valid
+        until the next allocation changes it): for the scheduler's per-row loop."""
+        return self._block_tables
 
     @property
     def num_allocated_blocks(self) -> int:

@@ -337,15 +337,13 @@ class LLMEngine:
         if speculator is not None and any(row.num_spec_tokens for row in rows):
             at, verified = self._verify(rows, result)
         tokens = result.token_ids.tolist()  # one conversion, not one per row
-        sampled = {
-            row.request_id: tokens[at[i]]
-            for i, row in enumerate(rows)
-            if row.samples and not row.num_spec_tokens
-        }
+        # Row i's token is at its first sampling row.
+        sampled = tokens if verified is None else [tokens[a] for a in at]
         self.scheduler.update_from_output(flight.sched, sampled, verified)
         groups, touched = self._groups, {}
         proposed: dict[str, BeamGroup] = {}
         drafting: list[StepSequence] = []  # sequences to draft for
+        generated = 0  # one-token rows' tokens, added to generation_tokens once
         states = zip(flight.states, rows, flight.want_prompt, strict=True)
         for i, (state, row, want_prompt) in enumerate(states):
             if isinstance(state, Beam):
@@ -365,7 +363,7 @@ class LLMEngine:
                     num = len(verified[row.request_id])
                     self._add_tokens(state, result, at[i], num)
                 else:  # one token: `_add_tokens` inlined (this runs per row and step)
-                    self.generation_tokens += 1
+                    generated += 1
                     num_out = len(state.request.output_token_ids)
                     token = state.request.output_token_ids[-1]
                     if state.add_token(result, at[i], token, num_out):
@@ -377,6 +375,7 @@ class LLMEngine:
                 drafting.append(StepSequence(state.request, state.seed, at[i], False))
             group_id = state.group_id
             touched[group_id] = groups[group_id]
+        self.generation_tokens += generated
         if speculator is not None:
             speculator.propose(drafting)
         outputs = [out for beams in proposed.values() if (out := self._select(beams))]

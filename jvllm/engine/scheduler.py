@@ -26,7 +26,9 @@ later steps and never enter the prefix cache, which registers only known tokens.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -58,6 +60,11 @@ class ScheduledRequest(NamedTuple):
     num_spec_tokens: int = 0
     # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
     table_row: int = -1
+
+
+# A ScheduledRequest from a tuple of all its fields, without the Python-level __new__ a
+# NamedTuple's constructor runs (built per row and step).
+_new_row = functools.partial(tuple.__new__, ScheduledRequest)
 
 
 @dataclass(frozen=True)
@@ -192,21 +199,25 @@ class Scheduler:
     def update_from_output(
         self,
         output: SchedulerOutput,
-        sampled: dict[str, int],
+        sampled: Sequence[int],
         verified: dict[str, list[int]] | None = None,
     ) -> None:
-        """Commit a step: the sampled tokens replace their placeholders. A row with draft
-        tokens gives `verified[request_id]` instead: the drafts the target kept, then the
-        token it sampled after them.
+        """Commit a step: the sampled tokens replace their placeholders, `sampled[i]`
+        that of row i (read for the rows that sample; it may run past the rows). A row
+        with draft tokens gives `verified[request_id]` instead: the drafts the target
+        kept, then the token it sampled after them.
 
         A request preempted since the step was scheduled keeps its token (the step did
         compute it); one finished since then is gone and its row is ignored.
         """
         assert self._pending_steps.popleft() == output.step_id, "steps commit in order"
-        kv, block_size = self.kv_cache_manager, self.block_size
-        for row in output.scheduled:
-            request = self._requests.get(row.request_id)
-            if request is None or not row.samples:
+        assert len(sampled) >= len(output.scheduled), (len(sampled), len(output.scheduled))
+        kv, block_size, requests = self.kv_cache_manager, self.block_size, self._requests
+        for row, token in zip(output.scheduled, sampled, strict=False):
+            if not row.samples:
+                continue
+            request = requests.get(row.request_id)
+            if request is None:
                 continue
             assert request.num_output_placeholders > 0, (request, row)
             request.num_output_placeholders -= 1
@@ -224,7 +235,7 @@ class Scheduler:
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
                 outputs = request.output_token_ids
-                outputs.append(sampled[row.request_id])
+                outputs.append(token)
                 # One more known token completes a block only at a block boundary.
                 if (len(request.prompt_token_ids) + len(outputs)) % block_size:
                     continue
@@ -304,6 +315,7 @@ class Scheduler:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
         max_model_len = self.scheduler_config.max_model_len
         previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
+        tables, sampling_rows, starts = kv.block_tables, step.sampling_rows, step.starts
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -340,20 +352,22 @@ class Scheduler:
                     ):
                         return
                     request_id = request.request_id
-                    step.sampling_rows[request_id] = len(rows)
+                    sampling_rows[request_id] = len(rows)
                     rows.append(
-                        ScheduledRequest(
-                            request_id,
-                            [PLACEHOLDER_TOKEN],
-                            computed,
-                            kv.block_table(request_id),
-                            True,
-                            previous_rows[request_id],
-                            0,
-                            table_rows[request_id],
+                        _new_row(
+                            (
+                                request_id,
+                                [PLACEHOLDER_TOKEN],
+                                computed,
+                                tables[request_id],
+                                True,
+                                previous_rows[request_id],
+                                0,
+                                table_rows[request_id],
+                            )
                         )
                     )
-                    step.starts[request_id] = computed
+                    starts[request_id] = computed
                     step.budget -= 1
                     request.num_output_placeholders = 2
                     request.num_computed_tokens = computed + 1
@@ -639,7 +653,7 @@ class Scheduler:
                 request_id,
                 token_ids,
                 start,
-                kv.block_table(request_id),
+                kv.block_tables[request_id],
                 samples,
                 prev_step_row,
                 num_spec,

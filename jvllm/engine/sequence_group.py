@@ -7,6 +7,7 @@ is a group of n sibling sequences that the scheduler runs as separate requests.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class SequenceState:
         self.matched_stop: str | None = None
         # Set once, when the engine finishes the sequence; the scheduler gets the same.
         self.finished_status: RequestStatus | None = None
+        self.finished = False  # finished_status is not None (read per row and step)
         self.stop_reason: int | str | None = None
         self.constraints = constraints or Constraints()
         self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
@@ -69,13 +71,10 @@ class SequenceState:
         self.sent_tokens = self.sent_chars = 0
         self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
 
-    @property
-    def finished(self) -> bool:
-        return self.finished_status is not None
-
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         assert status.is_finished, status
         self.finished_status, self.stop_reason = status, stop_reason
+        self.finished = True
 
     def sampling_row(
         self,
@@ -110,16 +109,18 @@ class SequenceState:
             assert not (pending and bad_words.needs_history), r
             banned = [*banned, *bad_words.banned(outputs)]
         draft_token, q_row = draft if draft is not None else (-1, -1)
-        return SamplingRow(
-            params,
-            self.seed,
-            step_index,
-            r.prompt_token_ids,
-            outputs,
-            banned,
-            pending,
-            draft_token,
-            q_row,
+        return _new_sampling_row(
+            (
+                params,
+                self.seed,
+                step_index,
+                r.prompt_token_ids,
+                outputs,
+                banned,
+                pending,
+                draft_token,
+                q_row,
+            )
         )
 
     def add_token(self, result: Any, row: int, token: int, num_out: int) -> bool:
@@ -263,7 +264,7 @@ class SequenceGroup:
                 self.prompt_token_ids,
                 child.prompt_logprobs,
                 [child.completion()],
-                child.finished_status is not None,
+                child.finished,
                 child.request.num_cached_tokens or 0,
             )
         finished = self.finished
@@ -300,5 +301,8 @@ class SequenceGroup:
 
 
 # Read once per request and step: a module constant, not an attribute of the enum class.
+# A SamplingRow from a tuple of all its fields, without the Python-level __new__ a
+# NamedTuple's constructor runs (built per row and step).
+_new_sampling_row = functools.partial(tuple.__new__, SamplingRow)
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

@@ -43,8 +43,7 @@ def _add(scheduler: Scheduler, request_id: str, prompt: list[int], **kwargs) -> 
 
 def _step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     output = scheduler.schedule()
-    sampled = {row.request_id: token for row in output.scheduled if row.samples}
-    scheduler.update_from_output(output, sampled)
+    scheduler.update_from_output(output, [token] * len(output.scheduled))
     return output
 
 
@@ -241,7 +240,7 @@ def test_update_skips_requests_finished_in_between():
     b = _add(scheduler, "b", [3, 4])
     output = scheduler.schedule()
     scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
-    scheduler.update_from_output(output, {"b": 5})
+    scheduler.update_from_output(output, [9, 5])  # row 0 ("a") is gone: its 9 is ignored
     assert a.output_token_ids == [] and b.output_token_ids == [5]
 
 
@@ -253,7 +252,7 @@ def test_stats_report_live_tokens_and_slots():
     assert stats.num_live_tokens == 12 and stats.num_allocated_slots == 2 * BS
     assert stats.kv_cache_usage_perc == pytest.approx(0.2)
     assert (stats.num_running, stats.num_waiting, stats.num_total_blocks) == (1, 0, 10)
-    scheduler.update_from_output(output, {"a": 1})
+    scheduler.update_from_output(output, [1])
     assert scheduler.stats().num_live_tokens == 12
 
 
@@ -518,7 +517,8 @@ class _Trace:
     def _commit(
         self, output: SchedulerOutput, sampled: dict[str, int], verified: dict[str, list[int]]
     ) -> None:
-        self.scheduler.update_from_output(output, sampled, verified)
+        tokens = [sampled.get(row.request_id, -1) for row in output.scheduled]
+        self.scheduler.update_from_output(output, tokens, verified)
         for row in output.scheduled:
             request = self.unfinished.get(row.request_id)
             if row.samples and request is not None and request.beam_group is None:
