@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import argparse
 import contextlib
 import math
+import operator
 import statistics
 import tempfile
 import time
@@ -48,6 +49,7 @@ from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
 from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
+_TOKEN_IDS = operator.attrgetter("token_ids")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -160,7 +162,7 @@ class NoDeviceRunner:
         token_bitmask: Any = None,
         block_tables: Any = None,
     ) -> Any:
-        shape = self.setup.shape(sum(len(r.token_ids) for r in rows))
+        shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))  # as ModelRunner
         if block_tables is None:  # an older engine (host_instructions.py --baseline-src)
             pack_rows(rows, shape, self.setup.args.block_size)
         else:

@@ -83,6 +83,7 @@ class KVCacheManager:
             self.host_tier = HostPrefixTier(range(first, first + num_tier_blocks))
         on_evict = self._offload if self.host_tier is not None else None
         self.block_pool = BlockPool(num_blocks, on_evict)
+        self._ref_counts = self.block_pool.ref_counts  # the pool's own list, read per row
         # Host blocks for swapped-out requests.
         self.swap_space = SwapSpace(num_host_blocks, self.block_pool) if num_host_blocks else None
         # Host-tier copies since the last take_host_copies(): (device, host), (host, device).
@@ -155,7 +156,7 @@ class KVCacheManager:
             block_size = self.block_size
             computed = request.num_computed_tokens
             offset = computed - (len(table) - 1) * block_size
-            if 0 <= offset < block_size and self.block_pool.ref_counts[table[-1]] == 1:
+            if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
                 if offset == block_size - 1 and self.enable_prefix_caching:
                     self._register_full_blocks(request, table, computed + 1)
                 return True

@@ -180,6 +180,7 @@ _TOKEN_IDS = operator.attrgetter("token_ids")
 _START = operator.attrgetter("start_position")
 _TABLE = operator.attrgetter("block_table")
 _TABLE_ROW = operator.attrgetter("table_row")
+_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 
 def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -> np.ndarray:
@@ -187,7 +188,7 @@ def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -
     the last real token (its logits are never read)."""
     n = len(rows)
     out = np.full(num_logits, max(int(qsl[n]) - 1, 0), np.int32)
-    counts = 1 + np.fromiter((r.num_spec_tokens for r in rows), np.int64, n)
+    counts = 1 + np.fromiter(map(_NUM_SPEC_TOKENS, rows), np.int64, n)
     total = int(counts.sum())
     assert total <= num_logits, (total, num_logits)
     firsts = np.cumsum(counts) - counts  # each row's first logits row
@@ -261,7 +262,7 @@ def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
 def micro_batch_tokens(rows: Sequence[StepRow], parts: int) -> int:
     """Tokens per micro-batch when `rows` are cut into `parts` (the step's bucket is
     this size's)."""
-    total = sum(len(r.token_ids) for r in rows)
+    total = sum(map(len, map(_TOKEN_IDS, rows)))
     return -(-total // parts)
 
 
@@ -284,7 +285,7 @@ def pack_micro_batches(
         token_index[offset : offset + n] = g * micro.num_tokens + np.arange(n)
         offset += n
         sizes.append(n)
-    lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+    lens = np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, len(rows))
     qsl = np.concatenate([[0], np.cumsum(lens)])
     logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
     return np.concatenate([*parts, token_index, logits_indices]), sizes
