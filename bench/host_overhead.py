@@ -12,7 +12,14 @@ as in `LLM.generate` and `jvllm serve`); `--gc default` keeps CPython's settings
 comparison. The table gives medians, and the mean of `engine.step`, which the full
 collections land in.
 
+With `--baseline-src DIR` (another jvllm checkout, e.g. a `git worktree` of an older
+commit) that checkout's engine is built beside this one's in the same process (its
+`jvllm` copied under the name `jvllm_baseline`) and the two engines step alternately,
+so both see the same minutes of a shared machine; the report adds the baseline's
+`engine.step` median and the ratio.
+
     python bench/host_overhead.py
+    python bench/host_overhead.py --baseline-src /tmp/jvllm-base
 """
 
 from __future__ import annotations
@@ -25,12 +32,16 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import argparse
 import contextlib
+import importlib
 import math
 import operator
+import re
+import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,6 +86,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="the collector as serving sets it (frozen heap, gen-0 threshold raised), or "
         "CPython's default",
     )
+    p.add_argument("--baseline-src", type=Path, help="another jvllm checkout, stepped alternately")
     p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "host_overhead.json")
     args = p.parse_args(argv)
     try:
@@ -217,6 +229,47 @@ def time_engine_steps(setup: Setup, tokenizer: Any) -> list[float]:
     return [_timed(engine.step) for _ in range(setup.args.steps)]
 
 
+@contextlib.contextmanager
+def baseline_module(source: Path) -> Iterator[ModuleType]:
+    """`source`'s bench/host_overhead.py, importing `source`'s jvllm (copied into a
+    temporary directory as the package `jvllm_baseline`, its imports renamed) instead of
+    this checkout's; unloaded afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        into = Path(tmp)
+        package = into / "jvllm_baseline"
+        shutil.copytree(source / "jvllm", package)
+        # Subpackages that live outside jvllm/ in a checkout (pyproject's package-dir).
+        for name in ("kernels", "server"):
+            if (source / name).is_dir():
+                shutil.copytree(source / name, package / name)
+        shutil.copy(source / "bench" / "host_overhead.py", into / "host_overhead_baseline.py")
+        for path in [*package.rglob("*.py"), into / "host_overhead_baseline.py"]:
+            text = path.read_text()
+            path.write_text(re.sub(r"\b(from|import) jvllm\b(?!_)", r"\1 jvllm_baseline", text))
+        sys.path.insert(0, tmp)
+        try:
+            yield importlib.import_module("host_overhead_baseline")
+        finally:
+            sys.path.remove(tmp)
+            for name in list(sys.modules):
+                if name.split(".")[0] in ("jvllm_baseline", "host_overhead_baseline"):
+                    del sys.modules[name]
+
+
+def time_engine_steps_alternately(
+    setup: Setup, baseline: Any, tokenizer: Any
+) -> tuple[list[float], list[float]]:
+    """`engine.step` times of this checkout's engine and the baseline's, the two stepped
+    in turn (which goes first alternates)."""
+    engines = [decoding_engine(setup, tokenizer)]
+    engines.append(baseline.decoding_engine(baseline.Setup(setup.args, setup.num_seqs), tokenizer))
+    times: list[list[float]] = [[], []]
+    for i in range(setup.args.steps):
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            times[k].append(_timed(engines[k].step))
+    return times[0], times[1]
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -228,30 +281,43 @@ def _stats(seconds: list[float]) -> dict[str, float]:
     return dict(median_us=statistics.median(us), mean_us=statistics.fmean(us), min_us=min(us))
 
 
+def measure(
+    args: argparse.Namespace, n: int, tokenizer: Any, collector: Any, baseline: Any
+) -> dict[str, Any]:
+    """One running count's components and engine.step times (the baseline's too)."""
+    setup = Setup(args, n)
+    with collector():
+        comp = time_components(setup)
+    total = [
+        sum(parts) for parts in zip(comp["schedule"], comp["pack"], comp["sampling"], strict=True)
+    ]
+    entry = {k: _stats(v) for k, v in comp.items()}
+    entry.update(num_seqs=n, schedule_and_prep=_stats(total))
+    with collector():
+        if baseline is None:
+            entry["engine_step"] = _stats(time_engine_steps(setup, tokenizer))
+        else:
+            mine, theirs = time_engine_steps_alternately(setup, baseline, tokenizer)
+            entry["engine_step"], entry["baseline_engine_step"] = _stats(mine), _stats(theirs)
+    common.log(f"{n} sequences: {entry['engine_step']['median_us']:.0f} us/engine.step")
+    return entry
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     result = common.envelope(__file__, argv)
-    result["config"] = {k: v for k, v in vars(args).items() if k != "output"} | {
-        "output": str(args.output)
-    }
+    result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     tokenizer = word_tokenizer(args.vocab_size)
     rows = []
     collector = serving_gc if args.gc == "serving" else contextlib.nullcontext
-    for n in args.num_seqs:
-        setup = Setup(args, n)
-        with collector():
-            comp = time_components(setup)
-        total = [
-            sum(parts)
-            for parts in zip(comp["schedule"], comp["pack"], comp["sampling"], strict=True)
-        ]
-        entry = {k: _stats(v) for k, v in comp.items()}
-        entry.update(num_seqs=n, schedule_and_prep=_stats(total))
-        with collector():
-            entry["engine_step"] = _stats(time_engine_steps(setup, tokenizer))
-        rows.append(entry)
-        common.log(f"{n} sequences: {entry['schedule_and_prep']['median_us']:.0f} us/step")
+    baseline = None
+    with contextlib.ExitStack() as stack:
+        if args.baseline_src is not None:
+            baseline = stack.enter_context(baseline_module(args.baseline_src.resolve()))
+            result["baseline_src"] = str(args.baseline_src.resolve())
+        for n in args.num_seqs:
+            rows.append(measure(args, n, tokenizer, collector, baseline))
     result["results"] = rows
     at_256 = [r for r in rows if r["num_seqs"] == 256]
     if at_256:
@@ -302,6 +368,14 @@ def print_report(result: dict[str, Any]) -> None:
             "met" if g["met"] else f"missed by {g['measured_us'] / g['target_us_at_256']:.1f}x"
         )
         print(f"goal: schedule + input prep <= 1 ms per step at 256 sequences: {verdict}")
+    compared = [r for r in result["results"] if "baseline_engine_step" in r]
+    if compared:
+        print(f"engine.step, stepped alternately with {result['baseline_src']}:")
+        rows = []
+        for r in compared:
+            mine, theirs = r["engine_step"]["median_us"], r["baseline_engine_step"]["median_us"]
+            rows.append([r["num_seqs"], mine, theirs, theirs / mine])
+        print(common.format_table(["seqs", "engine.step", "baseline", "speed-up"], rows))
 
 
 if __name__ == "__main__":

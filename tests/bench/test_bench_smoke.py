@@ -106,6 +106,31 @@ def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "goal" not in written  # only reported at 256 sequences
 
 
+def test_host_overhead_steps_a_baseline_alternately(tmp_path: Path) -> None:
+    """--baseline-src: the other checkout's engine (here a copy of this one, under the
+    name jvllm_baseline) steps in turn with this one's, and is unloaded afterwards."""
+    from bench import host_overhead
+
+    root = Path(host_overhead.__file__).resolve().parents[1]
+    seen = []
+    real = host_overhead.time_engine_steps_alternately
+
+    def spy(setup, baseline, tokenizer):
+        seen.append(baseline.LLMEngine.__module__)
+        return real(setup, baseline, tokenizer)
+
+    argv = ["--num-seqs", "8", "--steps", "4", "--prompt-len", "20", "--baseline-src", str(root)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_overhead, "time_engine_steps_alternately", spy)
+        result = host_overhead.main([*argv, "--output", str(tmp_path / "ab.json")])
+    assert seen == ["jvllm_baseline.engine.llm_engine"]
+    (row,) = result["results"]
+    for key in ("engine_step", "baseline_engine_step"):
+        assert 0 < row[key]["min_us"] <= row[key]["median_us"], (key, row[key])
+    assert result["baseline_src"] == str(root)
+    assert not any(name.startswith("jvllm_baseline") for name in sys.modules)
+
+
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
 def test_host_instructions_small(tmp_path: Path) -> None:
     from bench import host_instructions
