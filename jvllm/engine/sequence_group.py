@@ -64,6 +64,9 @@ class SequenceState:
         self.finished = False  # finished_status is not None (read per row and step)
         self.stop_reason: int | str | None = None
         self.constraints = constraints or Constraints()
+        # From this output count on, a row bans nothing (min_tokens reached, no bad
+        # words): `sampling_row`'s short path.
+        self._bans_until = params.min_tokens if self.constraints.bad_words is None else math.inf
         self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
         self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
@@ -87,11 +90,29 @@ class SequenceState:
         `drafts`, for the position after them (the row verifies draft tokens, and these
         are the ones before that position, as if accepted). `draft` is the (token, q
         row) a draft model proposed for this position."""
-        r, params = self.request, self.request.sampling_params
+        r = self.request
         # Tokens sampled before this row's (its own placeholder is already counted).
         placeholders = r.num_output_placeholders
-        step_index = len(r.output_token_ids) + placeholders - 1
         outputs = r.output_token_ids
+        step_index = len(outputs) + placeholders - 1
+        # Placeholders: this row's own sample, and the previous step's if uncommitted.
+        pending = row.prev_step_row is not None and placeholders > 1
+        if step_index >= self._bans_until and drafts is None and draft is None:
+            # Most rows: nothing banned, no drafts.
+            return _new_sampling_row(
+                (
+                    r.sampling_params,
+                    self.seed,
+                    step_index,
+                    r.prompt_token_ids,
+                    outputs,
+                    (),
+                    pending,
+                    -1,
+                    -1,
+                )
+            )
+        params = r.sampling_params
         if drafts:
             step_index += len(drafts)
             outputs = outputs + drafts
@@ -101,8 +122,6 @@ class SequenceState:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += sorted(eos_token_ids)
-        # Placeholders: this row's own sample, and the previous step's if uncommitted.
-        pending = row.prev_step_row is not None and placeholders > 1
         bad_words = self.constraints.bad_words
         if bad_words is not None:
             # Multi-token words need the latest token: the engine commits it first.
