@@ -174,7 +174,9 @@ class NoDeviceRunner:
         token_bitmask: Any = None,
         block_tables: Any = None,
     ) -> Any:
-        shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))  # as ModelRunner
+        # As ModelRunner counts them (input_batch.total_tokens, which an older checkout
+        # measured by host_instructions.py --baseline-src may lack).
+        shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
         if block_tables is None:  # an older engine (host_instructions.py --baseline-src)
             pack_rows(rows, shape, self.setup.args.block_size)
         else:

@@ -151,15 +151,8 @@ class KVCacheManager:
     def allocate_slot(self, request: Request) -> bool:
         """`allocate_slots(request, 1)`, for a decode row: its common case, the token
         landing in the request's own last block, checked first."""
-        table = self._block_tables.get(request.request_id)
-        if table and not self.num_lookahead_tokens:
-            block_size = self.block_size
-            computed = request.num_computed_tokens
-            offset = computed - (len(table) - 1) * block_size
-            if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
-                if offset == block_size - 1 and self.enable_prefix_caching:
-                    self._register_full_blocks(request, table, computed + 1)
-                return True
+        if not self.num_lookahead_tokens and self._fill_own_last_block(request, 1, 0):
+            return True
         return self.allocate_slots(request, 1)
 
     def allocate_slots(
@@ -184,22 +177,12 @@ class KVCacheManager:
             start = cached_prefix.num_tokens if cached_prefix else request.num_computed_tokens
             limit = self.max_model_len - start - num_new_tokens
             ahead = max(0, min(self.num_lookahead_tokens, limit))
-        computed, block_size = request.num_computed_tokens, self.block_size
-        last = (len(table) - 1) * block_size  # the first position of the last block
         if (
             cached_prefix is None
             and not num_reserved_tokens
-            and table
-            and last <= computed
-            and computed + num_new_tokens + ahead <= last + block_size
-            and self.block_pool.ref_count(table[-1]) == 1
+            and self._fill_own_last_block(request, num_new_tokens, ahead)
         ):
-            # Fast path (most decode steps): the tokens land in the request's own last
-            # block, which no one else holds (no allocation, no copy-on-write).
-            end = computed + num_new_tokens
-            if self.enable_prefix_caching and end % block_size == 0:
-                self._register_full_blocks(request, table, end)
-            return True
+            return True  # most decode steps
         if cached_prefix is None:
             prefix, start = EMPTY_PREFIX, request.num_computed_tokens
         else:
@@ -412,6 +395,24 @@ class KVCacheManager:
             if index * self.block_size < start:
                 self._blocks_to_copy.append((old, table[index]))
             self.block_pool.free([old])
+
+    def _fill_own_last_block(self, request: Request, num_new_tokens: int, ahead: int) -> bool:
+        """Whether the request's next `num_new_tokens` positions (and `ahead` more) all
+        land in its own last block, which no one else holds: then nothing is allocated
+        or copied (the block is registered if they fill it)."""
+        table = self._block_tables.get(request.request_id)
+        if not table:
+            return False
+        computed, block_size = request.num_computed_tokens, self.block_size
+        offset = computed - (len(table) - 1) * block_size  # within the last block
+        if offset < 0 or offset + num_new_tokens + ahead > block_size:
+            return False
+        if self._ref_counts[table[-1]] != 1:
+            return False
+        end = computed + num_new_tokens
+        if self.enable_prefix_caching and end % block_size == 0:
+            self._register_full_blocks(request, table, end)
+        return True
 
     def _register_full_blocks(self, request: Request, table: list[int], end: int) -> None:
         """Cache the blocks that are full once positions below `end` are written.

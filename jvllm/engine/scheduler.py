@@ -313,7 +313,6 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
-        max_model_len = self.scheduler_config.max_model_len
         previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
         tables, sampling_rows, starts = kv.block_tables, step.sampling_rows, step.starts
         index = 0
@@ -339,10 +338,7 @@ class Scheduler:
             if placeholders:
                 # Its sampled tokens may end it by length: it finishes when the last
                 # placeholder is committed.
-                max_tokens = request.sampling_params.max_tokens
-                if num_tokens >= max_model_len or (
-                    max_tokens is not None and num_outputs >= max_tokens
-                ):
+                if self._ends_by_length(request, num_outputs, num_tokens):
                     continue
                 if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
                     # The overlapped decode row (most rows of most steps): its one token

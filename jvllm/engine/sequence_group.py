@@ -319,9 +319,9 @@ class SequenceGroup:
         )
 
 
-# Read once per request and step: a module constant, not an attribute of the enum class.
 # A SamplingRow from a tuple of all its fields, without the Python-level __new__ a
 # NamedTuple's constructor runs (built per row and step).
 _new_sampling_row = functools.partial(tuple.__new__, SamplingRow)
+# Read once per request and step: module constants, not attributes of the enum class.
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

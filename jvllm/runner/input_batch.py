@@ -183,6 +183,21 @@ _TABLE_ROW = operator.attrgetter("table_row")
 _NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 
+def total_tokens(rows: Sequence[StepRow]) -> int:
+    """The rows' tokens in all (a C-level loop: hundreds of rows a step)."""
+    return sum(map(len, map(_TOKEN_IDS, rows)))
+
+
+def total_spec_tokens(rows: Sequence[StepRow]) -> int:
+    """The rows' draft tokens in all."""
+    return sum(map(_NUM_SPEC_TOKENS, rows))
+
+
+def row_lengths(rows: Sequence[StepRow]) -> tuple[int, ...]:
+    """Each row's token count."""
+    return tuple(map(len, map(_TOKEN_IDS, rows)))
+
+
 def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -> np.ndarray:
     """Each row's last 1 + num_spec_tokens token indices, in row order; padding repeats
     the last real token (its logits are never read)."""
@@ -262,8 +277,7 @@ def cut_rows(rows: Sequence[StepRow], parts: int) -> list[list[StepRow]]:
 def micro_batch_tokens(rows: Sequence[StepRow], parts: int) -> int:
     """Tokens per micro-batch when `rows` are cut into `parts` (the step's bucket is
     this size's)."""
-    total = sum(map(len, map(_TOKEN_IDS, rows)))
-    return -(-total // parts)
+    return -(-total_tokens(rows) // parts)
 
 
 def pack_micro_batches(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,18 +59,16 @@ from jvllm.runner.input_batch import (
     pack_rows,
     pick_bucket,
     pow2_buckets,
+    row_lengths,
     token_buckets,
+    total_spec_tokens,
+    total_tokens,
 )
 from jvllm.runner.memory import retain_freed_host_memory
 from jvllm.runner.programs import ExecutableStore, Program, scope_digest
 from jvllm.runner.step_programs import StepPrograms
 from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
 from jvllm.sampling_params import SamplingParams
-
-# Columns of a step's rows, read with map() (C-level loops, hundreds of rows a step).
-_TOKEN_IDS = operator.attrgetter("token_ids")
-_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
-
 
 MIN_TOKEN_BUCKET = 16
 # A forward's logits, hidden states, last input tokens and shape (`_run_forward`).
@@ -327,7 +324,7 @@ class ModelRunner:
             self.pipeline_load[0] += busy
             self.pipeline_load[1] += capacity
         else:
-            shape = shape or self.batch_shape(sum(map(len, map(_TOKEN_IDS, rows))))
+            shape = shape or self.batch_shape(total_tokens(rows))
             packed = pack_rows(rows, shape, self.block_size, block_tables)
         self._launch_forward(packed, shape)
         assert self._last_forward is not None
@@ -454,7 +451,7 @@ class ModelRunner:
         _, _, _, shape = self._run_forward(rows, block_tables=block_tables)
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
-        assert len(sampling_rows) == len(rows) + sum(map(_NUM_SPEC_TOKENS, rows))
+        assert len(sampling_rows) == len(rows) + total_spec_tokens(rows)
         md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows)
         padded = None
         if token_bitmask is not None:
@@ -466,7 +463,7 @@ class ModelRunner:
             flat = [t for row in prompt_targets for t in row]
             targets[: len(flat)] = flat
         out, scored = self._launch_sample(md, padded, targets)
-        lengths = tuple(map(len, map(_TOKEN_IDS, rows)))
+        lengths = row_lengths(rows)
         return PendingStep(out, scored, lengths, len(sampling_rows))
 
     def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
