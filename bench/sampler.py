@@ -3,11 +3,12 @@
 Times `jvllm.layers.sampler.sample` jitted over `[rows, vocab]` float32 logits (random
 normal, scale 3) with `rows - 2` real rows of one setting (greedy, temperature, top_p,
 top_k) and two padding rows, and the argmax of such logits as `jnp.argmax` and as
-`argmax_rows`, as a runner runs it (on CPU devices: malloc keeping freed memory,
-`DRAW_ROWS_CPU`). Medians and minima of `--reps` calls, alternating the kinds, in one
-process. With `--baseline-src DIR` (another jvllm checkout, e.g. a `git worktree` of an
-older commit) the same is timed with that checkout's sampler in a second process, the
-two processes alternating `--rounds` times.
+`argmax_rows`, as a runner runs it (on CPU devices: malloc keeping freed memory, and
+the rows in `GROUP_ROWS_CPU` groups of one `[--max-rows, vocab]` program, or with
+older checkouts `DRAW_ROWS_CPU`). Medians and minima of `--reps` calls, alternating
+the kinds, in one process. With `--baseline-src DIR` (another jvllm checkout, e.g. a
+`git worktree` of an older commit) the same is timed with that checkout's sampler in a
+second process, the two processes alternating `--rounds` times.
 
     python bench/sampler.py
 """
@@ -45,6 +46,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="16,64", help="comma-separated logits rows")
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument(
+        "--max-rows", type=int, default=128, help="the runner's largest logits-row bucket"
+    )
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3, help="alternations with --baseline-src")
     p.add_argument("--baseline-src", type=Path, help="another jvllm checkout, timed too")
@@ -79,27 +83,32 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     # As a runner runs it: on CPU devices with these settings (checkouts before them:
     # without), elsewhere the whole batch at once.
     as_run: dict[str, Any] = {}
+    grouped = False  # every row count padded to --max-rows, sampled in groups
     if jax.default_backend() == "cpu":
         if hasattr(memory, "retain_freed_host_memory"):
             memory.retain_freed_host_memory()
-        if hasattr(sampler, "DRAW_ROWS_CPU"):
+        if hasattr(sampler, "GROUP_ROWS_CPU"):
+            as_run["group_rows"], grouped = sampler.GROUP_ROWS_CPU, True
+        elif hasattr(sampler, "DRAW_ROWS_CPU"):
             as_run["draw_rows"] = sampler.DRAW_ROWS_CPU
 
     cases: dict[str, Any] = {}
+    sample = jax.jit(lambda lg, md, li: sampler.sample(lg, md, li, **as_run).token_ids)
     for num_rows in (int(r) for r in args.rows.split(",")):
         rng = np.random.default_rng(num_rows)
-        logits = jnp.asarray(3 * rng.standard_normal((num_rows, args.vocab)), jnp.float32)
-        last = jnp.zeros(num_rows, jnp.int32)
-        sample = jax.jit(lambda lg, md, li: sampler.sample(lg, md, li, **as_run).token_ids)
+        padded = max(num_rows, args.max_rows) if grouped else num_rows
+        logits = jnp.asarray(3 * rng.standard_normal((padded, args.vocab)), jnp.float32)
+        last = jnp.zeros(padded, jnp.int32)
         calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         for name, knobs in SETTINGS.items():
             params = SamplingParams(**knobs)
             rows = [sampler.SamplingRow(params, i, 0, (), ()) for i in range(num_rows - 2)]
-            md = jax.device_put(sampler.make_sampling_metadata(rows, num_rows))
+            md = jax.device_put(sampler.make_sampling_metadata(rows, padded))
             calls[f"sample {name}"] = (sample, (logits, md, last))
-        calls["jnp.argmax"] = (jax.jit(lambda x: jnp.argmax(x, -1)), (logits,))
+        real = logits[:num_rows]
+        calls["jnp.argmax"] = (jax.jit(lambda x: jnp.argmax(x, -1)), (real,))
         if hasattr(sampler, "argmax_rows"):
-            calls["argmax_rows"] = (jax.jit(sampler.argmax_rows), (logits,))
+            calls["argmax_rows"] = (jax.jit(sampler.argmax_rows), (real,))
         timed: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(5):  # the kinds alternate, a fifth of the calls at a time
             for name, (fn, fn_args) in calls.items():
@@ -129,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     result = common.envelope(__file__, argv)
     child_argv = ["--rows", args.rows, "--vocab", str(args.vocab), "--reps", str(args.reps)]
+    child_argv += ["--max-rows", str(args.max_rows)]
     sources = {"jvllm": ROOT}
     if args.baseline_src is not None:
         sources["baseline"] = args.baseline_src.resolve()

@@ -271,14 +271,31 @@ def test_logprobs_match_hf_log_softmax(checkpoints, hf_models):
         assert len(entry) in (3, 4)
 
 
+def test_prompt_logprobs_of_one_long_step_match_hf(checkpoints, hf_models):
+    """A 150-token prompt scored in one step: on CPU devices its positions go in three
+    groups of 64 (`SCORE_GROUP_TOKENS_CPU`), each position as HF scores it."""
+    llm = make_llm(checkpoints["qwen2"], max_num_batched_tokens=256)
+    ids = prompts(5, [150])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_models["qwen2"](torch.tensor([ids])).logits[0], -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[p], ref[p - 1]
+        assert abs(entry[ids[p]].logprob - row[ids[p]]) < 1e-4
+        assert entry[ids[p]].rank == int((row > row[ids[p]]).sum()) + 1
+        best = [t for t in entry if entry[t].rank <= 2]
+        assert sorted(best) == sorted(np.argsort(-row)[:2].tolist())
+
+
 def test_no_compilations_after_warm_up(checkpoints):
     llm = make_llm(checkpoints["mistral"], max_num_seqs=8, max_num_batched_tokens=64)
     before = llm.get_metrics()["num_compilations"]
-    # Warm-up compiled, per token bucket, a forward and a prompt-logprobs program; a
-    # sampler and a token-bitmask program per row count; one block copy.
+    # Warm-up compiled a forward per token bucket; on CPU devices one prompt-logprobs,
+    # one sampler and one token-bitmask program for every bucket; one block copy.
     buckets = llm.engine.runner.token_buckets
-    row_counts = {min(t, 8) for t in buckets}
-    assert before == 2 * len(buckets) + 2 * len(row_counts) + 1
+    assert before == len(buckets) + 3 + 1
     rng = np.random.default_rng(11)
     lengths = rng.integers(1, 200, size=200)
     params = [

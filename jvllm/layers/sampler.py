@@ -54,9 +54,11 @@ MIN_PENALTY_ENTRIES = 8192
 # Logits per row that top_k/top_p read through `lax.top_k` before falling back to a
 # bisection over the whole vocabulary.
 TOP_CANDIDATES = 64
-# Most rows a sampled batch's filtering and draw take at a time on XLA:CPU: each row's
-# noise and filtering intermediates, V float32 a row each, then stay in the caches.
-DRAW_ROWS_CPU = 128
+# On XLA:CPU the sampler takes its rows in groups of this many, one group after the
+# other and only as many groups as the step has rows (`sample`'s `group_rows`): one
+# compiled program then serves every row count, and each group's [G, V] intermediates
+# stay in the caches.
+GROUP_ROWS_CPU = 16
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +92,10 @@ class SamplingMetadata:
     # probabilities passed to sample() (-1 = none).
     draft_token_ids: Array
     draft_q_rows: Array
+    # i32[1]: how many rows are in use, the first ones; the rest are padding (grouped
+    # sampling skips their groups). One element, not a scalar: a multi-host step places
+    # every field as a process-local array.
+    used_rows: Array
 
 
 class SamplerOutput(NamedTuple):
@@ -104,7 +110,7 @@ def sample(
     md: SamplingMetadata,
     last_input: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
-    draw_rows: int | None = None,
+    group_rows: int | None = None,
 ) -> SamplerOutput:
     """Choose one token per row; jit-compatible, no branching on parameter values.
 
@@ -113,18 +119,93 @@ def sample(
     `md.draft_q_rows`; rows with a draft token are decided by `rejection_sample`.
     Row i's token depends only on logits[i] and row i's parameters, seed and step index,
     never on the other rows or on how many padding rows the batch carries.
-    `draw_rows`: sampled rows are filtered and drawn in equal groups of at most this
-    many rows (`DRAW_ROWS_CPU`, `_row_groups`), one after the other: the same tokens.
+    `group_rows` (a divisor of S): the rows go in groups of this many, one group after
+    the other, and only the groups that hold one of the `md.used_rows` rows in use
+    (`GROUP_ROWS_CPU`): the same outputs for those rows, zeros for the rest.
     """
     logits = logits.astype(jnp.float32)  # [S, V]
     if last_input is None:
         last_input = jnp.zeros(logits.shape[0], jnp.int32)
+    if group_rows is not None:
+        return _sample_in_groups(logits, md, last_input, draft_probs, group_rows)
+    return _sample_rows(logits, md, last_input, draft_probs)
+
+
+def _sample_in_groups(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    last_input: jax.Array,
+    draft_probs: jax.Array | None,
+    size: int,
+) -> SamplerOutput:
+    """`_sample_rows` over groups of `size` rows, as many as hold the rows in use."""
+    num_rows, vocab = logits.shape
+    if num_rows % size:
+        raise ValueError(f"group_rows={size} must divide the {num_rows} logits rows")
+
+    def group(g: jax.Array, outs: SamplerOutput) -> SamplerOutput:
+        lo = g * size
+        out = _sample_rows(
+            lax.dynamic_slice_in_dim(logits, lo, size),
+            _group_metadata(md, lo, size),
+            lax.dynamic_slice_in_dim(last_input, lo, size),
+            draft_probs,
+        )
+        return SamplerOutput(
+            *(lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, out, strict=True))
+        )
+
+    num_top = min(NUM_TOP_CANDIDATES, vocab)
+    zeros = SamplerOutput(
+        jnp.zeros(num_rows, jnp.int32),
+        jnp.zeros(num_rows, jnp.float32),
+        jnp.zeros((num_rows, num_top), jnp.int32),
+        jnp.zeros((num_rows, num_top), jnp.float32),
+    )
+    num_groups = (jnp.minimum(md.used_rows[0], num_rows) + size - 1) // size
+    return lax.fori_loop(0, num_groups, group, zeros)
+
+
+# SamplingMetadata's fields that hold one entry per row.
+_ROW_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingMetadata)
+    if not f.name.startswith(("penalty_", "bias_")) and f.name != "used_rows"
+)
+
+
+def _group_metadata(md: SamplingMetadata, lo: jax.Array, size: int) -> SamplingMetadata:
+    """Rows `lo` to `lo + size` of md: their per-row columns, and the flat penalty and
+    bias lists with other rows' entries made padding (token -1) and rows renumbered."""
+    columns = {name: lax.dynamic_slice_in_dim(getattr(md, name), lo, size) for name in _ROW_FIELDS}
+    penalty_rows = md.penalty_rows - lo
+    penalty_in = (penalty_rows >= 0) & (penalty_rows < size)
+    bias_rows = md.bias_rows - lo
+    bias_in = (bias_rows >= 0) & (bias_rows < size)
+    return dataclasses.replace(
+        md,
+        **columns,
+        penalty_rows=jnp.where(penalty_in, penalty_rows, 0),
+        penalty_token_ids=jnp.where(penalty_in, md.penalty_token_ids, -1),
+        bias_rows=jnp.where(bias_in, bias_rows, 0),
+        bias_token_ids=jnp.where(bias_in, md.bias_token_ids, -1),
+        used_rows=jnp.full(1, size, jnp.int32),
+    )
+
+
+def _sample_rows(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    last_input: jax.Array,
+    draft_probs: jax.Array | None,
+) -> SamplerOutput:
+    """`sample` of every row at once."""
     penalised = _bias(apply_penalties(logits, md, last_input), md)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = argmax_rows(penalised)  # [S]
 
     def mixed() -> jax.Array:
-        return jnp.where(greedy, greedy_ids, _filter_and_draw(penalised, md, draw_rows))
+        return jnp.where(greedy, greedy_ids, _draw(filter_logits(penalised, md), md))
 
     # An all-greedy batch (common: temperature=0 evals) skips filtering and the draws.
     token_ids = lax.cond(jnp.all(greedy), lambda: greedy_ids, mixed)  # [S]
@@ -391,38 +472,6 @@ def inverse_cdf_draw(weights: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.sum(cdf <= threshold), weights.shape[-1] - 1).astype(jnp.int32)
 
 
-# The per-row columns `filter_logits` and `_draw` read.
-_DRAW_COLUMNS = ("temperature", "min_p", "top_k", "top_p", "seeds", "step_index")
-
-
-def _filter_and_draw(penalised: jax.Array, md: SamplingMetadata, most: int | None) -> jax.Array:
-    """`_draw(filter_logits(penalised, md), md)`, over `_row_groups` equal groups of rows
-    one after the other (`lax.map`) when `most` is given."""
-    num_rows = penalised.shape[0]
-    groups = 1 if most is None else _row_groups(num_rows, most)
-    if groups == 1:
-        return _draw(filter_logits(penalised, md), md)
-
-    def group(part: tuple[jax.Array, ...]) -> jax.Array:
-        logits, *columns = part
-        rows = dataclasses.replace(md, **dict(zip(_DRAW_COLUMNS, columns, strict=True)))
-        return _draw(filter_logits(logits, rows), rows)
-
-    size = num_rows // groups
-    parts = (penalised, *(getattr(md, name) for name in _DRAW_COLUMNS))
-    grouped = tuple(x.reshape(groups, size, *x.shape[1:]) for x in parts)
-    return lax.map(group, grouped).reshape(num_rows)
-
-
-def _row_groups(num_rows: int, most: int) -> int:
-    """The fewest equal groups of more than most / 2 and at most `most` rows that
-    `num_rows` splits into (160 rows of at most 128: two of 80), else 1."""
-    for groups in range(-(-num_rows // most), num_rows // (most // 2 + 1) + 1):
-        if num_rows % groups == 0:
-            return groups
-    return 1
-
-
 def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Gumbel-max from softmax(filtered), one independent key per row (`_exponentials`)."""
     keys = jax.vmap(_row_key)(md.seeds, md.step_index)
@@ -502,6 +551,7 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
         pending_output=np.zeros(num_rows, bool),
         draft_token_ids=np.full(num_rows, -1, np.int32),
         draft_q_rows=np.full(num_rows, -1, np.int32),
+        used_rows=np.array([n], np.int32),
     )
     _fill_scalars(md, rows, constants)
     _fill_biases(md, rows, biased)

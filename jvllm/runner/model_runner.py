@@ -18,7 +18,10 @@ Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (
 of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
 to `min(T, max_num_seqs)`, so one forward program exists per T bucket. With
 speculative decoding (k draft tokens a row at most) the logits and sampler rows are
-`min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled.
+`min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled. On CPU
+devices every bucket's logits are padded to the largest bucket's rows (`max_rows`,
+rounded up to whole `sampler.GROUP_ROWS_CPU` groups), and one sampler program and one
+bitmask program serve every bucket, sampling only the groups that hold real rows.
 Each program is a `programs.Program`; `num_compilations` counts the executables they
 hold (compiled, or read from the `ExecutableStore` of an earlier start), one per shape.
 """
@@ -66,7 +69,12 @@ from jvllm.runner.input_batch import (
 )
 from jvllm.runner.memory import retain_freed_host_memory
 from jvllm.runner.programs import ExecutableStore, Program, scope_digest
-from jvllm.runner.step_programs import StepPrograms
+from jvllm.runner.step_programs import (
+    SCORE_GROUP_TOKENS_CPU,
+    StepPrograms,
+    group_rows_on,
+    params_platform,
+)
 from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
 from jvllm.sampling_params import SamplingParams
 
@@ -134,8 +142,15 @@ class ModelRunner:
             scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
         )
         self.num_lookahead_tokens = num_lookahead_tokens
-        # The largest logits-row bucket.
+        # The largest logits-row bucket; where the sampler takes its rows in groups
+        # (CPU devices), rounded up to whole groups: every step's sampling rows.
         self.max_rows = self.batch_shape(self.token_buckets[-1]).logits_rows
+        self.group_rows = group_rows_on(params_platform(loaded.params))
+        self.max_tokens = 0  # the hidden states' rows where they are padded (CPU devices)
+        if self.group_rows is not None:
+            self.max_rows = -(-self.max_rows // self.group_rows) * self.group_rows
+            most = self.batch_shape(self.token_buckets[-1]).num_tokens
+            self.max_tokens = -(-most // SCORE_GROUP_TOKENS_CPU) * SCORE_GROUP_TOKENS_CPU
         # Offloaded weights (cpu_offload_gb): parameter path -> its device-memory sharding.
         bring_in_shardings = {
             jax.tree_util.keystr(path): leaf.sharding.with_memory_kind("device")
@@ -149,6 +164,7 @@ class ModelRunner:
             drafter=self.drafter,
             mesh=mesh,
             max_rows=self.max_rows,
+            max_tokens=self.max_tokens,
             draft_probs_shape=q_shape if self.drafter is not None else None,
             bring_in_shardings=bring_in_shardings,
         )
@@ -176,13 +192,19 @@ class ModelRunner:
         # A device array, like the sampler output that replaces it every step: a host
         # array here would give every forward bucket a second program at serve time.
         self.last_sampled = self._device_array(zeros)
+        # [max_rows, V] float32 where the sampler takes its rows in groups: each forward
+        # writes its logits rows over the last step's (donated), the rest unread.
+        self.logits_buffer = None
+        if self.group_rows is not None:
+            logits = np.zeros((self.max_rows, self.spec.vocab_size), np.float32)
+            self.logits_buffer = self._device_array(logits)
         programs = self.step_programs
         self._forward_fn = Program(
             programs.forward,
             "forward",
             store,
             static_argnames=("shape",),
-            donate_argnames=("caches",),
+            donate_argnames=("caches", "logits_buffer"),
             fixed=(0, 1),
         )
         self._sample_fn = Program(programs.sample, "sample", store)
@@ -311,6 +333,11 @@ class ModelRunner:
         logits = min(t, self.max_num_seqs * (1 + self.num_lookahead_tokens))
         return BatchShape(t, rows, self.width, logits if self.num_lookahead_tokens else 0)
 
+    def sampling_rows(self, shape: BatchShape) -> int:
+        """The sampler's rows for a step of `shape`: its logits rows, or `max_rows` where
+        the sampler takes its rows in groups (one program for every bucket)."""
+        return shape.logits_rows if self.group_rows is None else self.max_rows
+
     def _run_forward(
         self,
         rows: Sequence[StepRow],
@@ -351,7 +378,10 @@ class ModelRunner:
             self.last_sampled,
             shape=shape,
             draft_params=draft_params,
+            logits_buffer=self.logits_buffer,
         )
+        if self.logits_buffer is not None:
+            self.logits_buffer = logits
         if features is not None:
             self.features = features
         self._last_forward = (logits, hidden, last_input, shape)
@@ -452,14 +482,16 @@ class ModelRunner:
         if callable(sampling_rows):
             sampling_rows, token_bitmask = sampling_rows()
         assert len(sampling_rows) == len(rows) + total_spec_tokens(rows)
-        md = sampler.make_sampling_metadata(sampling_rows, shape.logits_rows)
+        num_rows = self.sampling_rows(shape)
+        md = sampler.make_sampling_metadata(sampling_rows, num_rows)
         padded = None
         if token_bitmask is not None:
-            padded = np.full((shape.logits_rows, token_bitmask.shape[1]), -1, np.int32)
+            padded = np.full((num_rows, token_bitmask.shape[1]), -1, np.int32)
             padded[: len(token_bitmask)] = token_bitmask
         targets = None
         if prompt_targets is not None:
-            targets = np.zeros(shape.num_tokens, np.int32)  # [T]
+            # [T], or [max_tokens] with -1 past the step's tokens (grouped scoring).
+            targets = np.full(self.max_tokens or shape.num_tokens, -1, np.int32)
             flat = [t for row in prompt_targets for t in row]
             targets[: len(flat)] = flat
         out, scored = self._launch_sample(md, padded, targets)
@@ -509,7 +541,7 @@ class ModelRunner:
         all its n new tokens when `every_token` (tests and scoring)."""
         logits, hidden, _, _ = self._run_forward(rows)
         if not every_token:
-            return list(np.asarray(logits)[: len(rows)])
+            return list(np.array(logits[: len(rows)]))
         module = self.model.module
         every = np.asarray(
             module.apply({"params": self.model.params}, hidden, method=module.logits)
@@ -520,40 +552,50 @@ class ModelRunner:
         """Compiles and runs the sampler, bitmask and prompt-logprob programs of one
         forward's shape."""
         logits, hidden, last_input, shape = forward
+        self._warm_up_sampler(logits, last_input, self.sampling_rows(shape))
+        self._warm_up_prompt_logprobs(hidden, shape)
+
+    def _warm_up_sampler(self, logits: jax.Array, last_input: jax.Array, num_rows: int) -> None:
         greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
-        md = sampler.make_sampling_metadata([greedy], shape.logits_rows)
+        md = sampler.make_sampling_metadata([greedy], num_rows)
         jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input, self.draft_probs))
         words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
-        mask = self._put(np.full((shape.logits_rows, words), -1, np.int32))
+        mask = self._put(np.full((num_rows, words), -1, np.int32))
         jax.block_until_ready(self._mask_fn(logits, mask))
-        targets = self._put(np.zeros(shape.num_tokens, np.int32))
+
+    def _warm_up_prompt_logprobs(self, hidden: jax.Array, shape: BatchShape) -> None:
+        targets = np.full(self.max_tokens or shape.num_tokens, -1, np.int32)
+        targets[0] = 0  # one position scored
+        targets = self._put(targets)
         jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
 
     def warm_up(self) -> None:
         """Compiles every program serving can need (penalised sampling, and more than
         MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
 
-        On one CPU device each bucket's sampling programs load and run in a second
-        thread while the next bucket's forward does: XLA runs them without the GIL, so a
-        start keeps two cores busy. Elsewhere the buckets go one at a time: a GPU keeps
-        room for one step's activations only (`memory.activation_reserve`), and on a
-        mesh every device must run the programs in one order (their collectives would
-        wait on each other)."""
+        On one CPU device the sampler and bitmask programs (one each, for every bucket),
+        then each bucket's prompt-logprob program, load and run in a second thread while
+        the forwards do: XLA runs them without the GIL, so a start keeps two cores busy.
+        Elsewhere the buckets go one at a time: a GPU keeps room for one step's
+        activations only (`memory.activation_reserve`), and on a mesh every device must
+        run the programs in one order (their collectives would wait on each other)."""
         shapes = [self.batch_shape(t) for t in self.token_buckets]
         # No real rows: every token is padding and writes into the null block.
         if self.model.module.backend != "cpu" or self.mesh is not None:
             for shape in shapes:
                 self._warm_up_sampling(self._run_forward([], shape))
         else:
+            assert self.logits_buffer is not None  # one CPU device: grouped sampling
+            # Arrays of their own: each forward donates the logits buffer.
+            logits = self._device_array(np.zeros(self.logits_buffer.shape, np.float32))
+            last_input = self._device_array(np.zeros(self.max_rows, np.int32))
             with ThreadPoolExecutor(1, thread_name_prefix="jvllm-warm-up") as pool:
-                pending = None
+                pending = [pool.submit(self._warm_up_sampler, logits, last_input, self.max_rows)]
                 for shape in shapes:
-                    forward = self._run_forward([], shape)  # beside the last one's sampling
-                    if pending is not None:
-                        pending.result()
-                    pending = pool.submit(self._warm_up_sampling, forward)
-                if pending is not None:
-                    pending.result()
+                    _, hidden, _, _ = self._run_forward([], shape)
+                    pending.append(pool.submit(self._warm_up_prompt_logprobs, hidden, shape))
+                for done in pending:
+                    done.result()
         self.copy_blocks([(0, 0)])
         if self.drafter is not None:
             for size in self.proposal_buckets:

@@ -28,13 +28,33 @@ from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import BatchShape, unpack, unpack_micro_batches
 from jvllm.sampling_params import MAX_LOGPROBS
 
+# On CPU devices prompt logprobs score the positions in groups of this many, only as
+# many groups as the step has tokens: one program for every token bucket.
+SCORE_GROUP_TOKENS_CPU = 64
+
+
+def group_rows_on(platform: str) -> int | None:
+    """The sampler's row groups on `platform` (`StepPrograms.group_rows`)."""
+    return sampler.GROUP_ROWS_CPU if platform == "cpu" else None
+
+
+def params_platform(params: Any) -> str:
+    """The platform of the devices holding `params` (a compile-only runner's: its
+    target's, not this machine's)."""
+    return next(iter(jax.tree.leaves(params)[0].sharding.device_set)).platform
+
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jit needs
 class StepPrograms:
     model: LoadedModel
     drafter: Drafter | None
     mesh: Mesh | None
-    max_rows: int  # the largest logits-row bucket: the sampled-token row's length
+    # The largest logits-row bucket (on CPU rounded up to whole sampler groups): the
+    # sampled-token row's length.
+    max_rows: int
+    # With `group_rows`: the hidden states' rows, the largest bucket's tokens rounded up
+    # to whole `SCORE_GROUP_TOKENS_CPU` groups (0 otherwise).
+    max_tokens: int
     # [Q, V]: a proposal's q rows, padded (None without a drafter).
     draft_probs_shape: tuple[int, int] | None
     # Offloaded weights (cpu_offload_gb): parameter path -> its device-memory sharding.
@@ -46,15 +66,16 @@ class StepPrograms:
 
     @property
     def platform(self) -> str:
-        """Where the programs run: the weights' devices' platform (a compile-only
-        runner's is its target's, not this machine's)."""
-        return next(iter(jax.tree.leaves(self.model.params)[0].sharding.device_set)).platform
+        """Where the programs run: the weights' devices' platform."""
+        return params_platform(self.model.params)
 
     @property
-    def draw_rows(self) -> int | None:
-        """Most rows the sampler filters and draws at a time: `DRAW_ROWS_CPU` on CPU
-        devices, else all."""
-        return sampler.DRAW_ROWS_CPU if self.platform == "cpu" else None
+    def group_rows(self) -> int | None:
+        """On CPU devices, `sampler.GROUP_ROWS_CPU`: the logits of every bucket are padded
+        to `max_rows` (a multiple of it), so that one sampler program serves them all,
+        taking only the groups of rows in use. Elsewhere None: one sampler program per
+        logits-row bucket, all its rows at once."""
+        return group_rows_on(self.platform)
 
     @property
     def num_target_layers(self) -> int:
@@ -68,7 +89,11 @@ class StepPrograms:
         last_sampled: jax.Array,
         shape: BatchShape,
         draft_params: Any = None,
+        logits_buffer: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
+        """Logits `[S, V]` (with `group_rows`: `[max_rows, V]` float32, written over
+        `logits_buffer` when given, which the caller donates, else over zeros), the
+        hidden states, the caches, the last input tokens and an EAGLE head's features."""
         params = self.bring_in(params)
         module = self.model.module
         split = self.num_target_layers
@@ -91,6 +116,16 @@ class StepPrograms:
         features = None
         if isinstance(self.drafter, EagleDrafter):
             features = self._padded(last, self.max_rows)
+        if self.group_rows is not None:  # one sampler program for every bucket
+            hidden = self._padded(hidden, self.max_tokens)  # and one prompt-logprob program
+            last_inputs = self._padded(last_inputs, self.max_rows)
+            logits = logits.astype(jnp.float32)
+            if logits_buffer is None:
+                logits = self._padded(logits, self.max_rows)
+            else:  # in place: no [max_rows, V] array written afresh every step
+                logits = jax.lax.dynamic_update_slice_in_dim(logits_buffer, logits, 0, 0)
+                if self.mesh is not None:
+                    logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
 
     def pipeline_forward(
@@ -155,7 +190,7 @@ class StepPrograms:
         last_input: jax.Array,
         draft_probs: jax.Array | None = None,
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        out = sampler.sample(logits, md, last_input, draft_probs, self.draw_rows)
+        out = sampler.sample(logits, md, last_input, draft_probs, self.group_rows)
         # Placed as the forward expects it (`_padded`): no second forward program.
         padded = self._padded(out.token_ids, self.max_rows)
         return out, padded  # padded [R]: the next step's placeholders read it
@@ -177,7 +212,35 @@ class StepPrograms:
         self, params: Any, hidden: jax.Array, targets: jax.Array
     ) -> tuple[jax.Array, ...]:
         """Every position's top-K logprobs and the logprob and rank of `targets` `[T]`
-        (the next prompt token; any id where unused): only these leave the device."""
+        (the next prompt token; any id >= 0 where unused, -1 past the step's tokens):
+        only these leave the device. With `group_rows`, in groups of
+        `SCORE_GROUP_TOKENS_CPU` positions, as many as hold the step's tokens; zeros
+        past them."""
+        if self.group_rows is None:
+            return self._score_positions(params, hidden, targets)
+        size = SCORE_GROUP_TOKENS_CPU
+
+        def group(g: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            lo = g * size
+            scored = self._score_positions(
+                params,
+                jax.lax.dynamic_slice_in_dim(hidden, lo, size),
+                jax.lax.dynamic_slice_in_dim(targets, lo, size),
+            )
+            return tuple(
+                jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0)
+                for a, b in zip(outs, scored, strict=True)
+            )
+
+        shapes = jax.eval_shape(self._score_positions, params, hidden, targets)
+        zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
+        used = jnp.sum(targets >= 0)
+        return jax.lax.fori_loop(0, (used + size - 1) // size, group, zeros)
+
+    def _score_positions(
+        self, params: Any, hidden: jax.Array, targets: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        targets = jnp.maximum(targets, 0)
         module = self.model.module
         logits = module.apply({"params": params}, hidden, method=module.logits)
         logprobs = jax.nn.log_softmax(logits)  # [T, V]

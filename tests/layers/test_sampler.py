@@ -304,12 +304,12 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
     assert np.all(np.abs(freq - want) <= bound), (freq, want)
 
 
-@pytest.mark.parametrize("num, draw_rows", [(512, None), (200, 64)])
-def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, draw_rows: int | None) -> None:
+@pytest.mark.parametrize("num, group_rows", [(512, None), (200, 40)])
+def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, group_rows: int | None) -> None:
     """The exponential race picks the token JAX's own Gumbel-max picks from the row's key
     (`jax.random.gumbel`), token for token: the same draw, computed with fewer logs, and
-    the same when the rows go in groups of at most `draw_rows` (200 rows: four of 50)."""
-    draw = jax.jit(functools.partial(sample, draw_rows=draw_rows))
+    the same when the rows go in groups (`group_rows`: 200 rows, five groups of 40)."""
+    draw = jax.jit(functools.partial(sample, group_rows=group_rows))
     for vocab, scale in ((8192, 1.0), (40, 3.0)):
         logits = _logits(num, vocab, seed=vocab, scale=scale)
         rows = [_row(seed=7 * i, step=i % 9, temperature=1.0) for i in range(num)]
@@ -324,19 +324,55 @@ def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, draw_rows: int | No
         np.testing.assert_array_equal(tokens, np.argmax(logits + noise, axis=-1))
 
 
-def test_grouped_rows_filter_and_draw_the_same_tokens() -> None:
-    """Filtering and drawing in equal groups of rows (`draw_rows`, as on CPU devices)
-    gives every row the token it gets with the whole batch at once, for every filter."""
-    num, vocab = 160, 300
+def _mixed_rows(num: int, vocab: int) -> list[SamplingRow]:
+    """Rows of every kind: each filter, greedy, penalties with their histories, a
+    pending output, logit biases, bans, logprobs, and draft tokens with q rows."""
+    rng = np.random.default_rng(num)
+    rows = []
+    for i in range(num):
+        params: dict[str, Any] = dict(FILTER_CASES[i % len(FILTER_CASES)])
+        if i % 7 == 3:
+            params = dict(temperature=0.0)
+        if i % 5 < 2:  # strong enough that another row's history would show
+            params |= dict(repetition_penalty=3.0, frequency_penalty=1.5, presence_penalty=1.0)
+        if i % 4 == 2:
+            params["logit_bias"] = {int(t): float(rng.normal()) for t in rng.choice(vocab, 3)}
+        if i % 3 == 0:
+            params["logprobs"] = 2
+        prompt, output = rng.integers(0, vocab, 20).tolist(), rng.integers(0, vocab, i % 6).tolist()
+        bans = rng.integers(0, vocab, 2).tolist() if i % 6 == 5 else ()
+        draft = (int(rng.integers(vocab)), i // 2) if i % 2 else (-1, -1)
+        rows.append(
+            SamplingRow(
+                SamplingParams(**params), 31 * i, i % 5, prompt, output, bans, i % 8 == 0, *draft
+            )
+        )
+    return rows
+
+
+def test_grouped_rows_give_each_row_what_the_whole_batch_gives_it() -> None:
+    """Sampling in groups of rows (`group_rows`, as on CPU devices) gives every row in
+    use the token the whole batch at once gives it, and every row that asked for
+    logprobs the same logprobs, whatever its filters, penalties, biases, bans, pending
+    output or draft; the rows past those in use come back zero, their groups not run."""
+    num, used, vocab = 96, 83, 300
     logits = _logits(num, vocab, seed=11, scale=2.5)
-    rows = [
-        _row(seed=31 * i, step=i % 5, **FILTER_CASES[i % len(FILTER_CASES)]) for i in range(num)
-    ]
-    md = make_sampling_metadata(rows, num)
-    whole = np.asarray(sample_jit(logits, md).token_ids)
-    for most in (64, 128):  # four groups of 40; two of 80
-        grouped = jax.jit(functools.partial(sample, draw_rows=most))
-        np.testing.assert_array_equal(np.asarray(grouped(logits, md).token_ids), whole)
+    md = make_sampling_metadata(_mixed_rows(used, vocab), num)
+    last_input = np.random.default_rng(1).integers(0, vocab, num).astype(np.int32)
+    q = np.random.default_rng(2).dirichlet(np.ones(vocab), used).astype(np.float32)
+    whole = sample_jit(logits, md, last_input, q)
+    asked = np.flatnonzero(md.want_logprobs)
+    assert 0 < len(asked) < used
+    for size in (16, 32, 48):  # six groups of 16 (one partly padding, one not run) ...
+        grouped = jax.jit(functools.partial(sample, group_rows=size))(logits, md, last_input, q)
+        runs = -(-used // size) * size  # rows of the groups that ran
+        for name, a, b in zip(SamplerOutput._fields, grouped, whole, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            rows = slice(0, used) if name == "token_ids" else asked
+            np.testing.assert_allclose(a[rows], b[rows], rtol=1e-6, err_msg=name)
+            assert not a[runs:].any(), name
+    with pytest.raises(ValueError, match="must divide the 96 logits rows"):
+        jax.jit(functools.partial(sample, group_rows=40))(logits, md, last_input, q)
 
 
 def test_one_seed_across_steps_matches_distribution() -> None:
