@@ -111,6 +111,7 @@ def sample(
     last_input: jax.Array | None = None,
     draft_probs: jax.Array | None = None,
     group_rows: int | None = None,
+    bitmask: jax.Array | None = None,
 ) -> SamplerOutput:
     """Choose one token per row; jit-compatible, no branching on parameter values.
 
@@ -122,13 +123,16 @@ def sample(
     `group_rows` (a divisor of S): the rows go in groups of this many, one group after
     the other, and only the groups that hold one of the `md.used_rows` rows in use
     (`GROUP_ROWS_CPU`): the same outputs for those rows, zeros for the rest.
+    `bitmask` `i32[S, ceil(V/32)]`: each row's allowed tokens (`apply_token_bitmask`),
+    applied to the logits first, raw logprobs included; a group whose masks allow every
+    token skips it.
     """
     logits = logits.astype(jnp.float32)  # [S, V]
     if last_input is None:
         last_input = jnp.zeros(logits.shape[0], jnp.int32)
     if group_rows is not None:
-        return _sample_in_groups(logits, md, last_input, draft_probs, group_rows)
-    return _sample_rows(logits, md, last_input, draft_probs)
+        return _sample_in_groups(logits, md, last_input, draft_probs, group_rows, bitmask)
+    return _sample_rows(logits, md, last_input, draft_probs, bitmask)
 
 
 def _sample_in_groups(
@@ -137,6 +141,7 @@ def _sample_in_groups(
     last_input: jax.Array,
     draft_probs: jax.Array | None,
     size: int,
+    bitmask: jax.Array | None,
 ) -> SamplerOutput:
     """`_sample_rows` over groups of `size` rows, as many as hold the rows in use."""
     num_rows, vocab = logits.shape
@@ -150,6 +155,7 @@ def _sample_in_groups(
             _group_metadata(md, lo, size),
             lax.dynamic_slice_in_dim(last_input, lo, size),
             draft_probs,
+            None if bitmask is None else lax.dynamic_slice_in_dim(bitmask, lo, size),
         )
         return SamplerOutput(
             *(lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, out, strict=True))
@@ -198,8 +204,12 @@ def _sample_rows(
     md: SamplingMetadata,
     last_input: jax.Array,
     draft_probs: jax.Array | None,
+    bitmask: jax.Array | None = None,
 ) -> SamplerOutput:
     """`sample` of every row at once."""
+    if bitmask is not None:
+        masked = jnp.any(bitmask != -1)
+        logits = lax.cond(masked, apply_token_bitmask, lambda lg, _: lg, logits, bitmask)
     penalised = _bias(apply_penalties(logits, md, last_input), md)  # [S, V]
     greedy = md.temperature < SAMPLING_EPS  # [S]
     greedy_ids = argmax_rows(penalised)  # [S]

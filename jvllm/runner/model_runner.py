@@ -20,8 +20,9 @@ to `min(T, max_num_seqs)`, so one forward program exists per T bucket. With
 speculative decoding (k draft tokens a row at most) the logits and sampler rows are
 `min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled. On CPU
 devices every bucket's logits are padded to the largest bucket's rows (`max_rows`,
-rounded up to whole `sampler.GROUP_ROWS_CPU` groups), and one sampler program and one
-bitmask program serve every bucket, sampling only the groups that hold real rows.
+rounded up to whole `sampler.GROUP_ROWS_CPU` groups), and one sampler program with its
+token bitmask serves every bucket (the bitmask applied inside the sampler's groups),
+sampling only the groups that hold real rows.
 Each program is a `programs.Program`; `num_compilations` counts the executables they
 hold (compiled, or read from the `ExecutableStore` of an earlier start), one per shape.
 """
@@ -195,9 +196,13 @@ class ModelRunner:
         # [max_rows, V] float32 where the sampler takes its rows in groups: each forward
         # writes its logits rows over the last step's (donated), the rest unread.
         self.logits_buffer = None
+        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
+        # [max_rows, words]: the bitmask of a step with no masked row (grouped sampling).
+        self.allow_all = None
         if self.group_rows is not None:
             logits = np.zeros((self.max_rows, self.spec.vocab_size), np.float32)
             self.logits_buffer = self._device_array(logits)
+            self.allow_all = self._device_array(np.full((self.max_rows, words), -1, np.int32))
         programs = self.step_programs
         self._forward_fn = Program(
             programs.forward,
@@ -399,11 +404,17 @@ class ModelRunner:
             self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
         assert self._last_forward is not None
         logits, hidden, last_input, _ = self._last_forward
-        if bitmask is not None:
-            logits = self._mask_fn(logits, self._put(bitmask))
-        out, self.last_sampled = self._sample_fn(
-            logits, self._put(md), last_input, self.draft_probs
-        )
+        if self.group_rows is not None:  # the mask inside the sampler's groups
+            mask = self.allow_all if bitmask is None else self._put(bitmask)
+            out, self.last_sampled = self._sample_fn(
+                logits, self._put(md), last_input, self.draft_probs, mask
+            )
+        else:
+            if bitmask is not None:
+                logits = self._mask_fn(logits, self._put(bitmask))
+            out, self.last_sampled = self._sample_fn(
+                logits, self._put(md), last_input, self.draft_probs
+            )
         scored = None
         if targets is not None:
             scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
@@ -557,8 +568,12 @@ class ModelRunner:
 
     def _warm_up_sampler(self, logits: jax.Array, last_input: jax.Array, num_rows: int) -> None:
         greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
-        md = sampler.make_sampling_metadata([greedy], num_rows)
-        jax.block_until_ready(self._sample_fn(logits, self._put(md), last_input, self.draft_probs))
+        md = self._put(sampler.make_sampling_metadata([greedy], num_rows))
+        if self.group_rows is not None:  # one program, the bitmask inside
+            out = self._sample_fn(logits, md, last_input, self.draft_probs, self.allow_all)
+            jax.block_until_ready(out)
+            return
+        jax.block_until_ready(self._sample_fn(logits, md, last_input, self.draft_probs))
         words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
         mask = self._put(np.full((num_rows, words), -1, np.int32))
         jax.block_until_ready(self._mask_fn(logits, mask))
@@ -573,7 +588,7 @@ class ModelRunner:
         """Compiles every program serving can need (penalised sampling, and more than
         MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
 
-        On one CPU device the sampler and bitmask programs (one each, for every bucket),
+        On one CPU device the sampler program (one for every bucket, the bitmask in it),
         then each bucket's prompt-logprob program, load and run in a second thread while
         the forwards do: XLA runs them without the GIL, so a start keeps two cores busy.
         Elsewhere the buckets go one at a time: a GPU keeps room for one step's

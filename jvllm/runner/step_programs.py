@@ -189,8 +189,11 @@ class StepPrograms:
         md: sampler.SamplingMetadata,
         last_input: jax.Array,
         draft_probs: jax.Array | None = None,
+        bitmask: jax.Array | None = None,
     ) -> tuple[sampler.SamplerOutput, jax.Array]:
-        out = sampler.sample(logits, md, last_input, draft_probs, self.group_rows)
+        """The sampled rows; `bitmask` (with `group_rows`: the apply_bitmask program's
+        work, inside the groups) masks the logits first."""
+        out = sampler.sample(logits, md, last_input, draft_probs, self.group_rows, bitmask)
         # Placed as the forward expects it (`_padded`): no second forward program.
         padded = self._padded(out.token_ids, self.max_rows)
         return out, padded  # padded [R]: the next step's placeholders read it

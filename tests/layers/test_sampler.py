@@ -354,17 +354,24 @@ def test_grouped_rows_give_each_row_what_the_whole_batch_gives_it() -> None:
     """Sampling in groups of rows (`group_rows`, as on CPU devices) gives every row in
     use the token the whole batch at once gives it, and every row that asked for
     logprobs the same logprobs, whatever its filters, penalties, biases, bans, pending
-    output or draft; the rows past those in use come back zero, their groups not run."""
+    output, draft or token bitmask (applied in the groups, as `apply_token_bitmask`
+    before the whole batch); the rows past those in use come back zero, their groups
+    not run."""
     num, used, vocab = 96, 83, 300
     logits = _logits(num, vocab, seed=11, scale=2.5)
     md = make_sampling_metadata(_mixed_rows(used, vocab), num)
-    last_input = np.random.default_rng(1).integers(0, vocab, num).astype(np.int32)
+    rng = np.random.default_rng(1)
+    last_input = rng.integers(0, vocab, num).astype(np.int32)
     q = np.random.default_rng(2).dirichlet(np.ones(vocab), used).astype(np.float32)
-    whole = sample_jit(logits, md, last_input, q)
+    bitmask = np.full((num, -(-vocab // 32)), -1, np.int32)
+    bitmask[4:used:9] = rng.integers(-(2**31), 2**31, (len(range(4, used, 9)), bitmask.shape[1]))
+    whole = sample_jit(np.asarray(jax.jit(apply_token_bitmask)(logits, bitmask)), md, last_input, q)
     asked = np.flatnonzero(md.want_logprobs)
     assert 0 < len(asked) < used
     for size in (16, 32, 48):  # six groups of 16 (one partly padding, one not run) ...
-        grouped = jax.jit(functools.partial(sample, group_rows=size))(logits, md, last_input, q)
+        grouped = jax.jit(functools.partial(sample, group_rows=size))(
+            logits, md, last_input, q, bitmask=bitmask
+        )
         runs = -(-used // size) * size  # rows of the groups that ran
         for name, a, b in zip(SamplerOutput._fields, grouped, whole, strict=True):
             a, b = np.asarray(a), np.asarray(b)
