@@ -32,7 +32,7 @@ import dataclasses
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from jvllm.sampling_params import NUM_TOP_CANDIDATES, SAMPLING_EPS, SamplingRow
 
 # The runner builds these on the host as numpy; inside jit they are jax arrays.
 Array = jax.Array | np.ndarray
+T = TypeVar("T")
 
 _U32_MAX = 2**32 - 1
 # The flat bias list is this long or a larger power of two: every step of a batch
@@ -148,17 +149,13 @@ def _sample_in_groups(
     if num_rows % size:
         raise ValueError(f"group_rows={size} must divide the {num_rows} logits rows")
 
-    def group(g: jax.Array, outs: SamplerOutput) -> SamplerOutput:
-        lo = g * size
-        out = _sample_rows(
+    def group(lo: jax.Array) -> SamplerOutput:
+        return _sample_rows(
             lax.dynamic_slice_in_dim(logits, lo, size),
             _group_metadata(md, lo, size),
             lax.dynamic_slice_in_dim(last_input, lo, size),
             draft_probs,
             None if bitmask is None else lax.dynamic_slice_in_dim(bitmask, lo, size),
-        )
-        return SamplerOutput(
-            *(lax.dynamic_update_slice_in_dim(a, b, lo, 0) for a, b in zip(outs, out, strict=True))
         )
 
     num_top = min(NUM_TOP_CANDIDATES, vocab)
@@ -168,8 +165,20 @@ def _sample_in_groups(
         jnp.zeros((num_rows, num_top), jnp.int32),
         jnp.zeros((num_rows, num_top), jnp.float32),
     )
-    num_groups = (jnp.minimum(md.used_rows[0], num_rows) + size - 1) // size
-    return lax.fori_loop(0, num_groups, group, zeros)
+    return over_groups(group, size, jnp.minimum(md.used_rows[0], num_rows), zeros)
+
+
+def over_groups(group: Callable[[jax.Array], T], size: int, used: jax.Array, init: T) -> T:
+    """`init` (a pytree of `[N, ...]` arrays) with rows `lo` to `lo + size` replaced by
+    `group(lo)`, for lo = 0, size, 2 size, ... while below `used`: one group after the
+    other (one compiled body), none past the rows in use."""
+
+    def body(g: jax.Array, outs: T) -> T:
+        lo = g * size
+        put = lambda whole, part: lax.dynamic_update_slice_in_dim(whole, part, lo, 0)
+        return jax.tree.map(put, outs, group(lo))
+
+    return lax.fori_loop(0, (used + size - 1) // size, body, init)
 
 
 # SamplingMetadata's fields that hold one entry per row.

@@ -196,7 +196,7 @@ class ModelRunner:
         # [max_rows, V] float32 where the sampler takes its rows in groups: each forward
         # writes its logits rows over the last step's (donated), the rest unread.
         self.logits_buffer = None
-        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
+        self.bitmask_words = words = -(-self.spec.vocab_size // 32)  # a token bitmask's width
         # [max_rows, words]: the bitmask of a step with no masked row (grouped sampling).
         self.allow_all = None
         if self.group_rows is not None:
@@ -343,6 +343,12 @@ class ModelRunner:
         the sampler takes its rows in groups (one program for every bucket)."""
         return shape.logits_rows if self.group_rows is None else self.max_rows
 
+    def scored_positions(self, shape: BatchShape) -> int:
+        """The prompt-logprob program's positions for a step of `shape`: its tokens, or
+        `max_tokens` where positions are scored in groups (one program for every bucket;
+        targets -1 past the step's tokens)."""
+        return self.max_tokens or shape.num_tokens
+
     def _run_forward(
         self,
         rows: Sequence[StepRow],
@@ -404,17 +410,14 @@ class ModelRunner:
             self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
         assert self._last_forward is not None
         logits, hidden, last_input, _ = self._last_forward
-        if self.group_rows is not None:  # the mask inside the sampler's groups
-            mask = self.allow_all if bitmask is None else self._put(bitmask)
-            out, self.last_sampled = self._sample_fn(
-                logits, self._put(md), last_input, self.draft_probs, mask
-            )
-        else:
-            if bitmask is not None:
-                logits = self._mask_fn(logits, self._put(bitmask))
-            out, self.last_sampled = self._sample_fn(
-                logits, self._put(md), last_input, self.draft_probs
-            )
+        mask = ()  # grouped sampling: the bitmask, applied inside the sampler's groups
+        if self.group_rows is not None:
+            mask = (self.allow_all if bitmask is None else self._put(bitmask),)
+        elif bitmask is not None:
+            logits = self._mask_fn(logits, self._put(bitmask))
+        out, self.last_sampled = self._sample_fn(
+            logits, self._put(md), last_input, self.draft_probs, *mask
+        )
         scored = None
         if targets is not None:
             scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
@@ -501,8 +504,7 @@ class ModelRunner:
             padded[: len(token_bitmask)] = token_bitmask
         targets = None
         if prompt_targets is not None:
-            # [T], or [max_tokens] with -1 past the step's tokens (grouped scoring).
-            targets = np.full(self.max_tokens or shape.num_tokens, -1, np.int32)
+            targets = np.full(self.scored_positions(shape), -1, np.int32)
             flat = [t for row in prompt_targets for t in row]
             targets[: len(flat)] = flat
         out, scored = self._launch_sample(md, padded, targets)
@@ -552,7 +554,8 @@ class ModelRunner:
         all its n new tokens when `every_token` (tests and scoring)."""
         logits, hidden, _, _ = self._run_forward(rows)
         if not every_token:
-            return list(np.array(logits[: len(rows)]))
+            # A host copy: the next forward reuses the device buffer (donated).
+            return list(np.asarray(logits)[: len(rows)].copy())
         module = self.model.module
         every = np.asarray(
             module.apply({"params": self.model.params}, hidden, method=module.logits)
@@ -574,12 +577,11 @@ class ModelRunner:
             jax.block_until_ready(out)
             return
         jax.block_until_ready(self._sample_fn(logits, md, last_input, self.draft_probs))
-        words = -(-self.spec.vocab_size // 32)  # the token bitmask's width
-        mask = self._put(np.full((num_rows, words), -1, np.int32))
+        mask = self._put(np.full((num_rows, self.bitmask_words), -1, np.int32))
         jax.block_until_ready(self._mask_fn(logits, mask))
 
     def _warm_up_prompt_logprobs(self, hidden: jax.Array, shape: BatchShape) -> None:
-        targets = np.full(self.max_tokens or shape.num_tokens, -1, np.int32)
+        targets = np.full(self.scored_positions(shape), -1, np.int32)
         targets[0] = 0  # one position scored
         targets = self._put(targets)
         jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
@@ -588,9 +590,9 @@ class ModelRunner:
         """Compiles every program serving can need (penalised sampling, and more than
         MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
 
-        On one CPU device the sampler program (one for every bucket, the bitmask in it),
-        then each bucket's prompt-logprob program, load and run in a second thread while
-        the forwards do: XLA runs them without the GIL, so a start keeps two cores busy.
+        On one CPU device the sampler and prompt-logprob programs (one each for every
+        bucket, the bitmask in the sampler) load and run in a second thread while the
+        forwards do: XLA runs them without the GIL, so a start keeps two cores busy.
         Elsewhere the buckets go one at a time: a GPU keeps room for one step's
         activations only (`memory.activation_reserve`), and on a mesh every device must
         run the programs in one order (their collectives would wait on each other)."""
@@ -606,9 +608,10 @@ class ModelRunner:
             last_input = self._device_array(np.zeros(self.max_rows, np.int32))
             with ThreadPoolExecutor(1, thread_name_prefix="jvllm-warm-up") as pool:
                 pending = [pool.submit(self._warm_up_sampler, logits, last_input, self.max_rows)]
-                for shape in shapes:
+                for i, shape in enumerate(shapes):
                     _, hidden, _, _ = self._run_forward([], shape)
-                    pending.append(pool.submit(self._warm_up_prompt_logprobs, hidden, shape))
+                    if i == 0:  # every bucket's hidden states have the one padded shape
+                        pending.append(pool.submit(self._warm_up_prompt_logprobs, hidden, shape))
                 for done in pending:
                     done.result()
         self.copy_blocks([(0, 0)])

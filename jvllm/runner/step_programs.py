@@ -223,22 +223,13 @@ class StepPrograms:
             return self._score_positions(params, hidden, targets)
         size = SCORE_GROUP_TOKENS_CPU
 
-        def group(g: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            lo = g * size
-            scored = self._score_positions(
-                params,
-                jax.lax.dynamic_slice_in_dim(hidden, lo, size),
-                jax.lax.dynamic_slice_in_dim(targets, lo, size),
-            )
-            return tuple(
-                jax.lax.dynamic_update_slice_in_dim(a, b, lo, 0)
-                for a, b in zip(outs, scored, strict=True)
-            )
+        def group(lo: jax.Array) -> tuple[jax.Array, ...]:
+            part = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, size)
+            return self._score_positions(params, part(hidden), part(targets))
 
         shapes = jax.eval_shape(self._score_positions, params, hidden, targets)
         zeros = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
-        used = jnp.sum(targets >= 0)
-        return jax.lax.fori_loop(0, (used + size - 1) // size, group, zeros)
+        return sampler.over_groups(group, size, jnp.sum(targets >= 0), zeros)
 
     def _score_positions(
         self, params: Any, hidden: jax.Array, targets: jax.Array
