@@ -96,6 +96,26 @@ def test_deltas_fold_into_the_cumulative_output(llm):
         assert len(outs) > 1
 
 
+def test_cumulative_outputs_share_the_sequence_lists(llm):
+    """As vLLM's: a CUMULATIVE output's token ids and logprobs are the sequence's own
+    lists, which later steps extend (no whole-output copy per step); its text is its
+    step's, and the token count read at that step matches it."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engine.add_request("live", {"prompt_token_ids": prompts()[0]}, params)
+    seen = []  # (completion, its text then, its token count then)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            seen.append((c, c.text, len(c.token_ids)))
+    final = seen[-1][0]
+    assert len(seen) == 12 and final.finish_reason == "length"
+    assert all(c.token_ids is final.token_ids and c.logprobs is final.logprobs for c, *_ in seen)
+    assert [n for *_, n in seen] == list(range(1, 13))
+    assert all(final.text.startswith(text) for _, text, _ in seen)
+    assert len(seen[0][1]) <= len(seen[-2][1]) <= len(final.text)
+
+
 def test_final_only_gives_one_output(llm):
     params = cases(llm)
     whole = run(llm, params, RequestOutputKind.CUMULATIVE)

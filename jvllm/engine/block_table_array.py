@@ -52,6 +52,15 @@ class BlockTableArray:
             self.array[row, n:old] = 0
         self._lengths[row] = n
 
+    def append(self, request_id: str, block_id: int) -> None:
+        """Adds one block to the end of the request's row (which it must hold)."""
+        row = self._row_of[request_id]
+        n = self._lengths[row]
+        if n == self.array.shape[1]:
+            self._grow(columns=n + 1)
+        self.array[row, n] = block_id
+        self._lengths[row] = n + 1
+
     def release(self, request_id: str) -> None:
         """Frees the request's row (zeroed); a request without one is fine."""
         row = self._row_of.pop(request_id, None)

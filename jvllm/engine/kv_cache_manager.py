@@ -150,9 +150,27 @@ class KVCacheManager:
 
     def allocate_slot(self, request: Request) -> bool:
         """`allocate_slots(request, 1)`, for a decode row: its common case, the token
-        landing in the request's own last block, checked first."""
-        if not self.num_lookahead_tokens and self._fill_own_last_block(request, 1, 0):
-            return True
+        landing in the request's own last block (`_fill_own_last_block`, inlined: this
+        runs per row and step), checked first."""
+        table = self._block_tables.get(request.request_id)
+        if table and not self.num_lookahead_tokens:
+            computed, block_size = request.num_computed_tokens, self.block_size
+            offset = computed - (len(table) - 1) * block_size
+            if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
+                if offset == block_size - 1 and self.enable_prefix_caching:
+                    self._register_full_blocks(request, table, computed + 1)
+                return True
+            if offset == block_size:
+                # The token starts a new block (once in block_size steps): one fresh
+                # block, nothing shared to copy.
+                if not self.block_pool.num_free_blocks:
+                    return False
+                (block,) = self.block_pool.allocate(1)
+                table.append(block)
+                self.table_array.append(request.request_id, block)
+                if block_size == 1 and self.enable_prefix_caching:
+                    self._register_full_blocks(request, table, computed + 1)
+                return True
         return self.allocate_slots(request, 1)
 
     def allocate_slots(

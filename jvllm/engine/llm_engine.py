@@ -340,7 +340,8 @@ class LLMEngine:
         # Row i's token is at its first sampling row.
         sampled = tokens if verified is None else [tokens[a] for a in at]
         self.scheduler.update_from_output(flight.sched, sampled, verified)
-        groups, touched = self._groups, {}
+        outputs: list[RequestOutput] = []
+        touched: dict[str, SequenceGroup] = {}  # requests of n > 1 sequences this step
         proposed: dict[str, BeamGroup] = {}
         drafting: list[StepSequence] = []  # sequences to draft for
         generated = 0  # one-token rows' tokens, added to generation_tokens once
@@ -373,12 +374,17 @@ class LLMEngine:
                     drafting.append(StepSequence(state.request, state.seed, at[i] + num - 1, True))
             elif speculates and speculator.wants_every_row:
                 drafting.append(StepSequence(state.request, state.seed, at[i], False))
-            group_id = state.group_id
-            touched[group_id] = groups[group_id]
+            group = state.group
+            if len(group.children) > 1:
+                touched[group.request_id] = group  # its output once all its rows are in
+            elif state.finished_status is not None:
+                outputs.append(self._retire(group, final_only))
+            elif not final_only and (out := group.output()) is not None:
+                outputs.append(out)  # None: FINAL_ONLY, or a DELTA with nothing new
         self.generation_tokens += generated
         if speculator is not None:
             speculator.propose(drafting)
-        outputs = [out for beams in proposed.values() if (out := self._select(beams))]
+        outputs += [out for beams in proposed.values() if (out := self._select(beams))]
         for group in touched.values():
             if group.finished:
                 outputs.append(self._retire(group, final_only))

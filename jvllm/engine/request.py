@@ -7,6 +7,7 @@ KV blocks (the KV cache manager does) nor its text or stop checks (the LLM engin
 from __future__ import annotations
 
 import enum
+import sys
 
 from jvllm.sampling_params import SamplingParams
 
@@ -84,6 +85,9 @@ class Request:
         # With a draft model: the row of its proposal distributions (on the device) of
         # spec_token_ids[0]; the next ones follow (-1: drafts without a distribution).
         self.spec_q_row = -1
+        # The token count that ends it by length (max_tokens outputs, or max_model_len):
+        # set by the scheduler that admits it.
+        self.max_num_tokens = sys.maxsize
 
     @property
     def num_prompt_tokens(self) -> int:

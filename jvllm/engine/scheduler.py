@@ -169,6 +169,7 @@ class Scheduler:
         assert 0 < request.num_tokens <= self.scheduler_config.max_model_len, request
         assert request.status is RequestStatus.WAITING, request
         self._requests[request.request_id] = request
+        self._set_length_limit(request)
         self._num_beams += request.beam_group is not None
         self.waiting.append(request)
 
@@ -259,6 +260,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             self._requests[child.request_id] = child
+            self._set_length_limit(child)
             self._num_beams += 1
         for parent in parents:
             self.finish_request(parent.request_id, RequestStatus.FINISHED_STOPPED)
@@ -332,13 +334,14 @@ class Scheduler:
             # loop runs for every running request every step).
             index += 1
             placeholders = request.num_output_placeholders
-            num_outputs = len(request.output_token_ids) + placeholders
-            num_tokens = len(request.prompt_token_ids) + num_outputs
+            num_tokens = (
+                len(request.prompt_token_ids) + len(request.output_token_ids) + placeholders
+            )
             computed = request.num_computed_tokens
             if placeholders:
                 # Its sampled tokens may end it by length: it finishes when the last
                 # placeholder is committed.
-                if self._ends_by_length(request, num_outputs, num_tokens):
+                if num_tokens >= request.max_num_tokens:
                     continue
                 if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
                     # The overlapped decode row (most rows of most steps): its one token
@@ -455,16 +458,16 @@ class Scheduler:
         by length, so scheduling it again would only compute a token to throw away."""
         if not request.num_output_placeholders:
             return False  # every token is known: the engine has checked it
-        return self._ends_by_length(
-            request, request.num_outputs_with_placeholders, request.num_tokens_with_placeholders
-        )
+        return request.num_tokens_with_placeholders >= request.max_num_tokens
 
-    def _ends_by_length(self, request: Request, num_outputs: int, num_tokens: int) -> bool:
-        """Whether `num_outputs` output tokens (`num_tokens` in all) end the request."""
+    def _set_length_limit(self, request: Request) -> None:
+        """`request.max_num_tokens`: the token count that ends it by length (max_tokens
+        outputs, or max_model_len), compared once per row and step."""
+        limit = self.scheduler_config.max_model_len
         max_tokens = request.sampling_params.max_tokens
-        return num_tokens >= self.scheduler_config.max_model_len or (
-            max_tokens is not None and num_outputs >= max_tokens
-        )
+        if max_tokens is not None:
+            limit = min(limit, len(request.prompt_token_ids) + max_tokens)
+        request.max_num_tokens = limit
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Admit waiting requests in FIFO order while budget, sequences and blocks allow;

@@ -44,6 +44,7 @@ class SequenceState:
         self.index = index
         self.seed = seed
         self.group_id = group_id
+        self.group: SequenceGroup | None = None  # set when its group adds it
         self._decode_ids = decoder(tokenizer)
         self.detok = IncrementalDetokenizer(
             tokenizer,
@@ -233,11 +234,14 @@ class SequenceState:
         return self.cumulative_logprob if finite else None
 
     def completion(self) -> CompletionOutput:
+        """Everything so far. As vLLM's, its token ids and logprobs are the sequence's own
+        lists, which later steps extend (no copy of the whole output per step): copy them
+        to keep one step's view; the text is that step's."""
         status = self.finished_status
         return CompletionOutput(
             self.index,
             self.detok.output_text,
-            list(self.request.output_token_ids),
+            self.request.output_token_ids,
             None if self.logprobs is None else self._cumulative_logprob(),
             self.logprobs,
             status.finish_reason if status is not None else None,
@@ -261,6 +265,7 @@ class SequenceGroup:
 
     def add(self, state: SequenceState) -> None:
         self.children.append(state)
+        state.group = self
 
     @property
     def finished(self) -> bool:

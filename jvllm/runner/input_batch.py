@@ -153,7 +153,10 @@ def pack_rows(
     tokens[:total] = np.fromiter(
         itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
     )
-    prev = np.fromiter((-1 if r.prev_step_row is None else r.prev_step_row for r in rows), int, n)
+    try:  # a decode step: every row feeds back a previous row's token (a C-level loop)
+        prev = np.fromiter(map(_PREV_STEP_ROW, rows), np.int64, n)
+    except TypeError:  # some row has none
+        prev = np.array([-1 if p is None else p for p in map(_PREV_STEP_ROW, rows)], np.int64)
     if total == n:
         # Every row one token (a decode step, no drafts): token i is row i's.
         seq_of_token, pos, firsts = np.arange(n), starts, np.arange(n)
@@ -180,6 +183,7 @@ _TOKEN_IDS = operator.attrgetter("token_ids")
 _START = operator.attrgetter("start_position")
 _TABLE = operator.attrgetter("block_table")
 _TABLE_ROW = operator.attrgetter("table_row")
+_PREV_STEP_ROW = operator.attrgetter("prev_step_row")
 _NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 

@@ -27,6 +27,11 @@ def test_writes_grow_shrink_release_and_reuse_rows():
     tables.write("b", [7, 8, 9])  # a second row and a third column
     assert tables.array.shape == (2, 3)
     tables.write("a", [5, 6])
+    tables.append("a", 4)
+    tables.append("a", 3)  # a fourth column
+    assert tables.array.shape == (2, 4)
+    _check(tables, {"a": [5, 6, 4, 3], "b": [7, 8, 9]})
+    tables.write("a", [5, 6])
     tables.write("b", [0])  # swapped out: shorter, zeros after
     _check(tables, {"a": [5, 6], "b": [0]})
     row_a = tables.row("a")
@@ -48,6 +53,10 @@ def test_random_trace_matches_the_lists():
         if request_id in want and rng.random() < 0.3:
             tables.release(request_id)
             del want[request_id]
+        elif request_id in want and rng.random() < 0.4:  # a decode row's new block
+            block = int(rng.integers(1, 1000))
+            tables.append(request_id, block)
+            want[request_id].append(block)
         else:
             table = [int(b) for b in rng.integers(1, 1000, int(rng.integers(0, 9)))]
             tables.write(request_id, table)

@@ -275,6 +275,12 @@ def test_allocate_slot_matches_allocate_slots_one_token(caching):
                 b.num_computed_tokens += 1
         for rid in live:
             assert twins[0].get_block_table(rid) == twins[1].get_block_table(rid), (op, rid)
+            for kv in twins:  # the persistent array row mirrors the list
+                table = kv.get_block_table(rid)
+                if table:
+                    row = kv.table_array.array[kv.table_array.row(rid)]
+                    assert row[: len(table)].tolist() == table, (op, rid)
+                    assert not row[len(table) :].any(), (op, rid)
         assert twins[0].take_blocks_to_copy() == twins[1].take_blocks_to_copy(), op
         pools = [kv.block_pool for kv in twins]
         assert pools[0].ref_counts == pools[1].ref_counts, op
