@@ -149,26 +149,22 @@ class KVCacheManager:
         return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size, host_hits)
 
     def allocate_slot(self, request: Request) -> bool:
-        """`allocate_slots(request, 1)`, for a decode row: its common case, the token
-        landing in the request's own last block (`_fill_own_last_block`, inlined: this
-        runs per row and step), checked first."""
-        table = self._block_tables.get(request.request_id)
-        if table and not self.num_lookahead_tokens:
-            computed, block_size = request.num_computed_tokens, self.block_size
-            offset = computed - (len(table) - 1) * block_size
-            if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
-                if offset == block_size - 1 and self.enable_prefix_caching:
-                    self._register_full_blocks(request, table, computed + 1)
+        """`allocate_slots(request, 1)`, for a decode row: its common cases checked first,
+        the token landing in the request's own last block, or starting a new block."""
+        if not self.num_lookahead_tokens:
+            if self._fill_own_last_block(request, 1, 0):
                 return True
-            if offset == block_size:
-                # The token starts a new block (once in block_size steps): one fresh
-                # block, nothing shared to copy.
+            table = self._block_tables.get(request.request_id)
+            computed = request.num_computed_tokens
+            if table and computed == len(table) * self.block_size:
+                # Once in block_size steps: one fresh block appended to the table and its
+                # array row (no whole-row rewrite), nothing shared to copy.
                 if not self.block_pool.num_free_blocks:
                     return False
                 (block,) = self.block_pool.allocate(1)
                 table.append(block)
                 self.table_array.append(request.request_id, block)
-                if block_size == 1 and self.enable_prefix_caching:
+                if self.enable_prefix_caching and (computed + 1) % self.block_size == 0:
                     self._register_full_blocks(request, table, computed + 1)
                 return True
         return self.allocate_slots(request, 1)

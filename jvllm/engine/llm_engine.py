@@ -170,7 +170,6 @@ class LLMEngine:
                 index,
                 seed,
                 self.tokenizer,
-                request_id,
                 self.eos_token_ids,
                 max_outputs,
                 constraints(index),

@@ -30,7 +30,6 @@ class SequenceState:
         index: int,
         seed: int,
         tokenizer: Any,
-        group_id: str,
         eos_token_ids: frozenset[int],
         max_output_tokens: int,
         constraints: Constraints | None = None,
@@ -43,7 +42,6 @@ class SequenceState:
         self.request = request
         self.index = index
         self.seed = seed
-        self.group_id = group_id
         self.group: SequenceGroup | None = None  # set when its group adds it
         self._decode_ids = decoder(tokenizer)
         self.detok = IncrementalDetokenizer(
