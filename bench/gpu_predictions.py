@@ -31,6 +31,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 def measure_attention(num_tokens: int, num_seqs: int, width: int) -> dict[str, Any]:
     """Driver-reported resources of the attention kernel at one 8B bucket (not run)."""
     import torch
+
     from jvllm.kernels import triton_attention as ta
 
     cfg = ta.launch_config(num_tokens, num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2)

@@ -240,7 +240,8 @@ def baseline_module(source: Path) -> Iterator[ModuleType]:
         into = Path(tmp)
         package = into / "jvllm_baseline"
         shutil.copytree(source / "jvllm", package)
-        # Subpackages that live outside jvllm/ in a checkout (pyproject's package-dir).
+        # Checkouts from before kernels/ and server/ moved into jvllm/ mapped them there
+        # through pyproject's package-dir.
         for name in ("kernels", "server"):
             if (source / name).is_dir():
                 shutil.copytree(source / name, package / name)

@@ -94,6 +94,7 @@ def time_triton(batch: int, context: int, **overrides: Any) -> dict[str, Any]:
     """Median seconds per launch of the kernels through Triton's launcher."""
     import torch
     import triton.testing
+
     from jvllm.kernels import triton_attention as ta
 
     sets, per_seq = rotation(batch, context), math.ceil(context / BLOCK_SIZE)
@@ -126,6 +127,7 @@ def time_jax(batch: int, context: int, repeats: int = 10) -> float:
     host dispatch is paid once per chain (each call's output is the next call's q)."""
     import jax
     import jax.numpy as jnp
+
     from jvllm.kernels import jax_triton_attention
 
     sets, per_seq = rotation(batch, context), math.ceil(context / BLOCK_SIZE)

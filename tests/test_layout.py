@@ -1,5 +1,5 @@
 """Project-wide rules: the host-only engine never imports jax, imports between packages
-go one way, and every package (the remapped kernels/ and server/ too) is installed."""
+go one way, every package is installed, and no top-level folder hides an installed module."""
 
 from __future__ import annotations
 
@@ -65,16 +65,25 @@ def test_importing_the_engine_loads_no_jax():
 def test_every_package_is_installed():
     import tomllib
 
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(setuptools["packages"])
-    # Package name -> its folder: jvllm/ as laid out, plus the package-dir remappings.
-    roots = {"jvllm": ROOT / "jvllm"} | {
-        name: ROOT / folder for name, folder in setuptools["package-dir"].items()
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "jvllm").rglob("__init__.py")
     }
-    assert set(roots) - {"jvllm"} == {"jvllm.kernels", "jvllm.server"}
-    found = set()
-    for name, folder in roots.items():
-        for init in folder.rglob("__init__.py"):
-            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
     assert {"jvllm.kernels", "jvllm.server", "jvllm.engine"} <= found
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_top_level_folders_shadow_no_installed_module():
+    """pytest (tests/ is a package) and the bench scripts put the checkout's root first on
+    sys.path, so a top-level package there named like an installed module hides it: a
+    top-level kernels/ once hid the `kernels` distribution that Transformers imports."""
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    top = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert top == ["bench", "jvllm", "tests"]
+    clashes = {name: installed[name] for name in top if name != "jvllm" and name in installed}
+    assert not clashes, f"top-level packages named like installed modules: {clashes}"

@@ -36,8 +36,6 @@ from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
 
-# Packages whose source a traced program can depend on: jvllm and its kernels.
-_SOURCE_PACKAGES = ("jvllm", "jvllm.kernels")
 _SUFFIX = ".jex"
 _JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _jax_cache_hits = threading.local()  # .count: JAX persistent-cache hits on this thread
@@ -55,12 +53,12 @@ def _listen_for_jax_cache_hits() -> None:
 
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 of every .py and .cc file of jvllm and jvllm.kernels, read once a process."""
+    """SHA-256 of every .py and .cc file of jvllm (its kernels included), read once a
+    process."""
     digest = hashlib.sha256()
-    for name in _SOURCE_PACKAGES:
-        root = Path(sys.modules[name].__file__ or "").parent
-        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    root = Path(sys.modules["jvllm"].__file__ or "").parent
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

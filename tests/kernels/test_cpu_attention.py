@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jvllm.kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(

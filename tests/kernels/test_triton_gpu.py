@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jvllm.kernels import reference
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine_args import _resolve_backend
+from jvllm.kernels import reference
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU and a CUDA jaxlib")

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import triton
+
 from jvllm.kernels import reference
 from jvllm.kernels import triton_attention as ta
 

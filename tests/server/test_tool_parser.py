@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+
 from jvllm.server.tools import ToolCallReader
 
 HERMES = (

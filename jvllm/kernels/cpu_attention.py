@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jvllm.kernels import reference
 
 _SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
