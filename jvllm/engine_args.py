@@ -406,8 +406,9 @@ def compilation_cache(cache_dir: str | None) -> Path | None:
     before, under any engine configuration. One process also keeps the runner's
     executables there (`ExecutableStore`, EXECUTABLES_DIR), which skips tracing and
     lowering too on a start with the same configuration (not across processes of one
-    multi-host program). A directory the process already configured (a benchmark's) is
-    the one used."""
+    multi-host program; on CPU devices not the model forwards, which served slower loaded
+    from there). A directory the process already configured (a benchmark's) is the one
+    used."""
     if cache_dir == "":
         return None
     if cache_dir is None:

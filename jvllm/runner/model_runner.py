@@ -173,6 +173,11 @@ class ModelRunner:
             retain_freed_host_memory()  # XLA:CPU's temporaries, reused step after step
         self.caches = self._allocate_cache(num_blocks)
         store = self.executable_store = self._executable_store(executable_dir)
+        # On CPU devices a model forward loaded from the store ran mix48 at 0.67x of the
+        # same forward compiled in the process or served by JAX's persistent cache (its
+        # matmuls took a slower YNNPACK path, with a transpose): there the forwards are
+        # kept by JAX's cache only, which costs a warm start their tracing and lowering.
+        model_store = None if self.step_programs.platform == "cpu" else store
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
         # [R, H] device array: an EAGLE head's input, the last step's logits rows' hidden
         # states (padded to the largest logits-row bucket, so one proposal program each).
@@ -185,7 +190,7 @@ class ModelRunner:
             self._propose_fn = Program(
                 self.step_programs.propose,
                 "propose",
-                store,
+                model_store,
                 donate_argnames=("caches",),
                 fixed=(0, 1, 2),
             )
@@ -207,7 +212,7 @@ class ModelRunner:
         self._forward_fn = Program(
             programs.forward,
             "forward",
-            store,
+            model_store,
             static_argnames=("shape",),
             donate_argnames=("caches", "logits_buffer"),
             fixed=(0, 1),
