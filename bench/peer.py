@@ -202,6 +202,8 @@ def summarise(
         },
     )
     med = out["median_output_tokens_per_s"]
+    if "padding" in runs["jvllm"][0]:  # the same schedule every run (greedy or seeded)
+        out["padding"] = runs["jvllm"][0]["padding"]
     if "baseline" in runs:
         out["ratio_jvllm_over_baseline"] = med["jvllm"] / med["baseline"]
     if "vllm" in runs:
@@ -243,6 +245,8 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"jvllm / vLLM: {result['ratio_jvllm_over_vllm']:.2f}x (sampled outputs)")
     if "ratio_jvllm_over_baseline" in result:
         print(f"jvllm / baseline: {result['ratio_jvllm_over_baseline']:.2f}x")
+    if "padding" in result:
+        print(f"jvllm forward token slots that were padding: {100 * result['padding']:.1f}%")
     peak = result["yardstick"]["peak_flops"]
     print(
         f"matmul roofline {peak / 1e9:.0f} GFLOP/s: "

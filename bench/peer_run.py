@@ -6,7 +6,8 @@ nothing but the standard library and the engine it drives. The request file hold
 `{"model": dir, "requests": [[prompt_token_ids, output_len], ...], "engine": {...}}`.
 Every request is greedy (or samples at the file's "temperature", default 0) with EOS
 ignored, so both engines produce the same number of tokens; the timing covers
-`generate` alone (start-up is reported separately).
+`generate` alone (start-up is reported separately). A jvllm run also reports the
+fraction of its forwards' token slots that were bucket padding.
 
     python bench/peer_run.py jvllm requests.json
 """
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def run_jvllm(spec: dict) -> tuple[float, float, list[list[int]]]:
+def run_jvllm(spec: dict) -> tuple[float, float, list[list[int]], dict]:
     from jvllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -31,12 +32,19 @@ def run_jvllm(spec: dict) -> tuple[float, float, list[list[int]]]:
         for _, n in spec["requests"]
     ]
     prompts = [{"prompt_token_ids": ids} for ids, _ in spec["requests"]]
+    runner = llm.engine.runner
+    before = list(getattr(runner, "token_slots", ()))  # warm-up's forwards not counted
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return start_s, time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+    elapsed = time.perf_counter() - t0
+    extra = {}
+    if before:  # an older checkout's runner (peer.py --baseline-src) may not count them
+        real, slots = (b - a for a, b in zip(before, runner.token_slots, strict=True))
+        extra = {"forward_tokens": real, "forward_token_slots": slots, "padding": 1 - real / slots}
+    return start_s, elapsed, [list(o.outputs[0].token_ids) for o in outs], extra
 
 
-def run_vllm(spec: dict) -> tuple[float, float, list[list[int]]]:
+def run_vllm(spec: dict) -> tuple[float, float, list[list[int]], dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -58,7 +66,7 @@ def run_vllm(spec: dict) -> tuple[float, float, list[list[int]]]:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in spec["requests"]]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return start_s, time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+    return start_s, time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs], {}
 
 
 def main() -> None:
@@ -67,7 +75,7 @@ def main() -> None:
         sys.exit(f"engine must be jvllm or vllm, got {engine!r}")
     with open(path) as f:
         spec = json.load(f)
-    start_s, elapsed, tokens = (run_jvllm if engine == "jvllm" else run_vllm)(spec)
+    start_s, elapsed, tokens, extra = (run_jvllm if engine == "jvllm" else run_vllm)(spec)
     out_tokens = sum(len(t) for t in tokens)
     module = sys.modules["jvllm" if engine == "jvllm" else "vllm"]
     result = dict(
@@ -77,6 +85,7 @@ def main() -> None:
         elapsed_s=elapsed,
         output_tokens=out_tokens,
         output_tokens_per_s=out_tokens / elapsed,
+        **extra,
         tokens=tokens,
     )
     print("RESULT " + json.dumps(result), flush=True)

@@ -289,6 +289,20 @@ def test_prompt_logprobs_of_one_long_step_match_hf(checkpoints, hf_models):
         assert sorted(best) == sorted(np.argsort(-row)[:2].tolist())
 
 
+def test_token_slots_count_each_forward_and_its_padding(checkpoints):
+    # Token buckets of 16 up to 64: a prompt of 40 runs in 48 slots, each decode token
+    # in 16.
+    llm = make_llm(checkpoints["mistral"], max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    before = list(runner.token_slots)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (out,) = llm.generate(token_prompts(prompts(3, [40])), params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    # The prompt's 40 tokens, then the first two outputs fed back one step each.
+    real, slots = (b - a for a, b in zip(before, runner.token_slots, strict=True))
+    assert (real, slots) == (40 + 2, 48 + 16 + 16)
+
+
 def test_no_compilations_after_warm_up(checkpoints):
     llm = make_llm(checkpoints["mistral"], max_num_seqs=8, max_num_batched_tokens=64)
     before = llm.get_metrics()["num_compilations"]

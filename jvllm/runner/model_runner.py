@@ -119,6 +119,9 @@ class ModelRunner:
         # Pipelined steps: (busy, capacity) stage-token units of the schedules run so far
         # (`pipeline.schedule_utilization`).
         self.pipeline_load = [0.0, 0.0]
+        # Every forward so far: [real tokens, token slots computed]; the rest of the
+        # slots are bucket padding.
+        self.token_slots = [0, 0]
         # Multi-host serving's leader: where each launch is published for the followers.
         self.publisher: StepPublisher | None = None
         # The last forward's logits, hidden states, last input tokens and shape.
@@ -360,6 +363,7 @@ class ModelRunner:
         shape: BatchShape | None = None,
         block_tables: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
+        num_tokens = total_tokens(rows)
         if self.pp > 1:
             shape = shape or self.batch_shape(0, micro_batch_tokens(rows, self.num_micro))
             packed, sizes = pack_micro_batches(rows, shape, self.block_size, block_tables)
@@ -367,8 +371,10 @@ class ModelRunner:
             self.pipeline_load[0] += busy
             self.pipeline_load[1] += capacity
         else:
-            shape = shape or self.batch_shape(total_tokens(rows))
+            shape = shape or self.batch_shape(num_tokens)
             packed = pack_rows(rows, shape, self.block_size, block_tables)
+        self.token_slots[0] += num_tokens
+        self.token_slots[1] += shape.num_tokens
         self._launch_forward(packed, shape)
         assert self._last_forward is not None
         return self._last_forward

@@ -88,6 +88,26 @@ def test_throughput_tiny_preset(tmp_path: Path) -> None:
     )
 
 
+def test_peer_run_jvllm_reports_tokens_and_padding(tmp_path: Path, checkpoints) -> None:
+    """bench/peer_run.py's jvllm side, as bench/peer.py starts it: one request of a
+    40-token prompt and 3 outputs, token buckets of 16 up to 64."""
+    spec = tmp_path / "requests.json"
+    engine = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+    ids = list(range(10, 50))
+    spec.write_text(json.dumps({"model": str(checkpoints["llama"]), "requests": [[ids, 3]],
+                                "engine": engine}))  # fmt: skip
+    cmd = [sys.executable, "bench/peer_run.py", "jvllm", str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["output_tokens"] == 3 and len(result["tokens"][0]) == 3
+    assert result["output_tokens_per_s"] == pytest.approx(3 / result["elapsed_s"])
+    # The prompt in a 48-token forward, the first two outputs fed back in 16 each.
+    assert (result["forward_tokens"], result["forward_token_slots"]) == (42, 80)
+    assert result["padding"] == pytest.approx(1 - 42 / 80)
+
+
 def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench import host_overhead
 
