@@ -1,6 +1,7 @@
 """Online serving benchmark, like `vllm bench serve`, against `jvllm serve`.
 
-Sends the workload to /v1/completions with streaming on, at each given request rate
+Sends the workload to /v1/completions with streaming on (or, with --no-stream, off:
+then only throughput and end-to-end latency are measured), at each given request rate
 (Poisson arrivals; `inf` sends everything at once), optionally capped at a maximum number
 of requests in flight. Per rate it reports throughput, TTFT, TPOT (mean time per output
 token after the first), ITL (gaps between streamed chunks) and end-to-end latency, as mean
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="KEY:MS",
         help="SLOs in ms, keys ttft, tpot, e2el, e.g. ttft:2000 tpot:200",
     )
+    p.add_argument("--no-stream", action="store_true", help="whole responses, not streamed")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--output", type=Path, help="default: bench/results/serve_<preset>.json")
     args = p.parse_args(argv)
@@ -73,6 +75,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if any(r <= 0 for r in args.rates):
         p.error("--request-rate values must be > 0")
     args.slos = _parse_slos(p, args.goodput)
+    if args.no_stream and {"ttft", "tpot"} & set(args.slos):
+        p.error("--no-stream measures no TTFT or TPOT: only an e2el goodput SLO applies")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     return args
@@ -101,27 +105,34 @@ class RequestResult:
     ok: bool = False
     error: str = ""
     output_len: int = 0
-    ttft: float = 0.0  # seconds from send to the first streamed text
+    ttft: float | None = 0.0  # seconds from send to the first streamed text (None: unstreamed)
     itl: list[float] = field(default_factory=list)  # gaps between later chunks
     e2el: float = 0.0
 
     @property
     def tpot(self) -> float | None:
-        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+        if self.ttft is None or self.output_len < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_len - 1)
 
 
-async def send_one(client: Any, url: str, model: str, req: BenchRequest) -> RequestResult:
-    """One streamed completion; token ids go in as the prompt, EOS is ignored."""
-    body = dict(
+async def send_one(
+    client: Any, url: str, model: str, req: BenchRequest, stream: bool = True
+) -> RequestResult:
+    """One completion, streamed unless `stream` is False; token ids go in as the prompt,
+    EOS is ignored."""
+    body: dict[str, Any] = dict(
         model=model,
         prompt=req.prompt_token_ids,
         max_tokens=req.output_len,
         temperature=0.0,
         ignore_eos=True,
-        stream=True,
-        stream_options={"include_usage": True},
+        stream=stream,
     )
     result = RequestResult(len(req.prompt_token_ids), req.output_len)
+    if not stream:
+        return await _send_whole(client, url, body, result)
+    body["stream_options"] = {"include_usage": True}
     chunks, last = 0, 0.0
     start = time.perf_counter()
     try:
@@ -155,6 +166,27 @@ async def send_one(client: Any, url: str, model: str, req: BenchRequest) -> Requ
     return result
 
 
+async def _send_whole(
+    client: Any, url: str, body: dict[str, Any], result: RequestResult
+) -> RequestResult:
+    result.ttft = None
+    start = time.perf_counter()
+    try:
+        resp = await client.post(url, json=body)
+        result.e2el = time.perf_counter() - start
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.content[:200]!r}"
+            return result
+        data = resp.json()
+        result.output_len = int(data["usage"]["completion_tokens"])
+        result.ok = bool(data["choices"] and data["choices"][0]["text"])
+        if not result.ok:
+            result.error = "the response carried no text"
+    except Exception as e:  # a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
 # -- one request rate ------------------------------------------------------------------------
 
 
@@ -178,7 +210,7 @@ async def run_rate(
         async def one(req: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
             async with limit:  # over --max-concurrency, an arrival waits for a free slot
-                return await send_one(client, url, model, req)
+                return await send_one(client, url, model, req, not args.no_stream)
 
         results = await asyncio.gather(
             *(one(r, a) for r, a in zip(requests, arrivals, strict=True))
@@ -201,7 +233,7 @@ def _dist(values: list[float]) -> dict[str, float | None]:
 
 
 def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
-    seconds = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2el}
+    seconds = {"ttft": r.ttft or 0.0, "tpot": r.tpot or 0.0, "e2el": r.e2el}
     return all(1e3 * seconds[key] <= slo for key, slo in slos.items())
 
 
@@ -224,7 +256,7 @@ def summarise(
         goodput=len(good) / duration if slos else None,
         slos_ms=slos,
         short_outputs=sum(r.output_len < r.expected_output_len for r in done),
-        ttft_ms=_dist([r.ttft for r in done]),
+        ttft_ms=_dist([r.ttft for r in done if r.ttft is not None]),
         tpot_ms=_dist([r.tpot for r in done if r.tpot is not None]),
         itl_ms=_dist([g for r in done for g in r.itl]),
         e2el_ms=_dist([r.e2el for r in done]),
@@ -398,7 +430,9 @@ def _scrape(base_url: str) -> dict[str, float]:
 
 
 def _counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after if k in before and k.endswith("_total")}
+    """Counters, and the latency histograms' observation counts, over the run."""
+    grew = [k for k in after if k in before and k.endswith(("_total", "_count"))]
+    return {k: after[k] - before[k] for k in grew}
 
 
 def print_report(result: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ import pytest
 from jvllm import LLM, SamplingParams
 from jvllm.cli import build_serve_parser, main, parse_serve_args
 from jvllm.generation_config import RequestDefaults
+from jvllm.sampling_params import RequestOutputKind
+from jvllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from jvllm.server.serving import sampling_params
 from jvllm.yaml_args import config_file_argv
 
 
@@ -94,6 +97,18 @@ def test_request_defaults_from_generation_config(tmp_path):
     assert RequestDefaults.load(str(tmp_path), "elsewhere", 20).sampling == auto.sampling
     with pytest.raises(ValueError, match="max_logprobs"):
         RequestDefaults({}, max_logprobs=21)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_asks_full_responses_for_their_final_output_only(stream):
+    # As vLLM's server: a streamed response needs every step's output, a full one the last.
+    want = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+    messages = [{"role": "user", "content": "hi"}]
+    for req in (
+        CompletionRequest(model="m", prompt="the river", stream=stream),
+        ChatCompletionRequest(model="m", messages=messages, stream=stream),
+    ):
+        assert sampling_params(req, 8, RequestDefaults()).output_kind is want
 
 
 def test_llm_takes_vllm_keywords(checkpoints, tmp_path, caplog):

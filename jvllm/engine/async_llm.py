@@ -10,8 +10,10 @@ thread may read, and turns an engine crash into an error on every in-flight stre
 Streams are cumulative and coalescing: each item is the request's full output so far
 (vLLM's CUMULATIVE kind), and a slow reader skips stale items rather than queueing
 them, so memory stays bounded whatever the client's speed. Deltas are the reader's
-job. It does not build the engine (receive one, so this module never imports jax)
-and knows nothing of HTTP.
+job. A FINAL_ONLY request's stream gets its finished output alone (the engine still
+reports it every step, for the latency observations, but nothing wakes its reader). It
+does not build the engine (receive one, so this module never imports jax) and knows
+nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class _Add(NamedTuple):
     params: SamplingParams
     arrival: float
     done: concurrent.futures.Future[None]
+    final_only: bool = False
 
 
 class _Abort(NamedTuple):
@@ -103,6 +106,7 @@ class _Timing:
     last_token: float | None = None
     num_tokens: int = 0
     delta: bool = False  # RequestOutputKind.DELTA: each output carries only new tokens
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: the stream gets the last one
 
 
 class RequestStream:
@@ -219,12 +223,17 @@ class AsyncLLM:
         spec = getattr(params, "structured_outputs", None)
         if spec is not None:
             await self._compile(spec)
-        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        kind = getattr(params, "output_kind", None)
+        delta, final_only = kind == RequestOutputKind.DELTA, kind == RequestOutputKind.FINAL_ONLY
+        if final_only:
+            # The engine reports its progress every step (TTFT and ITL are observed from
+            # it); `_step` passes the stream its finished output only.
+            params = params.clone(output_kind=RequestOutputKind.CUMULATIVE)
         stream = RequestStream(request_id, self._close_stream, delta)
         self._streams[request_id] = stream
         self._num_queued += 1
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), done))
+        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), done, final_only))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -371,7 +380,9 @@ class AsyncLLM:
                 command.done.set_exception(ValueError(str(e)))
                 continue
             delta = getattr(command.params, "output_kind", None) == RequestOutputKind.DELTA
-            self._timings[command.request_id] = _Timing(command.arrival, delta=delta)
+            self._timings[command.request_id] = _Timing(
+                command.arrival, delta=delta, final_only=command.final_only
+            )
             command.done.set_result(None)
         return True
 
@@ -379,15 +390,15 @@ class AsyncLLM:
         start = time.monotonic()
         outputs = self._engine.step()
         now = time.monotonic()
-        for output in outputs:
-            self._time(output, start, now)
+        outputs = [output for output in outputs if self._time(output, start, now)]
         if outputs:
             self._call_on_loop(self._deliver, outputs)
 
-    def _time(self, output: RequestOutput, step_start: float, now: float) -> None:
+    def _time(self, output: RequestOutput, step_start: float, now: float) -> bool:
+        """Observes the output's latencies; whether its stream wants it."""
         timing = self._timings.get(output.request_id)
         if timing is None:
-            return
+            return True
         observe = self._observer.observe if self._observer else _ignore
         if not timing.scheduled:
             timing.scheduled = True
@@ -404,6 +415,8 @@ class AsyncLLM:
         if output.finished:
             observe(E2E, now - timing.arrival)
             del self._timings[output.request_id]
+            return True
+        return not timing.final_only
 
 
 def _ignore(name: str, seconds: float) -> None:

@@ -32,7 +32,7 @@ from jvllm.engine.async_llm import (
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import BeamSearchParams, SamplingParams
+from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 from .errors import APIError, from_validation_error
 from .protocol import SamplingRequest
@@ -212,6 +212,9 @@ def sampling_params(
         seed=req.seed,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        # As vLLM's server: a response that is not streamed asks for its final output
+        # only (AsyncLLM wakes its reader once, not every step).
+        output_kind=RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY,
         **extra,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

@@ -310,6 +310,32 @@ def test_serve_against_jvllm_serve(tmp_path: Path) -> None:
         assert run["e2el_ms"]["p50"] >= run["ttft_ms"]["p50"]
 
 
+def test_serve_whole_responses_keep_the_servers_latency_observations(tmp_path: Path) -> None:
+    """--no-stream: full responses (which the server asks of the engine as FINAL_ONLY);
+    the server still observes every request's TTFT and each later token's ITL."""
+    pytest.importorskip("uvicorn")
+    out = tmp_path / "serve.json"
+    cmd = [
+        sys.executable, "bench/serve.py", "--preset", "tiny", "--num-prompts", "4",
+        "--no-stream", "--models-dir", str(tmp_path / "models"), "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    output_tokens = result["workload"]["total_output_tokens"]
+    assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
+    assert run["short_outputs"] == 0
+    assert run["output_throughput"] * run["duration_s"] == pytest.approx(output_tokens, rel=1e-9)
+    assert run["ttft_ms"]["p50"] is None and run["itl_ms"]["p50"] is None
+    assert 0 < run["e2el_ms"]["p50"] <= run["e2el_ms"]["p99"]
+    counters = run["server_counters"]
+    assert counters["jvllm:generation_tokens_total"] == output_tokens
+    assert counters["jvllm:time_to_first_token_seconds_count"] == 4
+    assert counters["jvllm:inter_token_latency_seconds_count"] == output_tokens - 4
+    assert counters["jvllm:e2e_request_latency_seconds_count"] == 4
+
+
 def test_pipeline_tiny(tmp_path: Path) -> None:
     """Micro-batches keep more of the stages busy than one batch in flight, and every
     engine's greedy outputs agree."""

@@ -24,7 +24,7 @@ from jvllm.engine.async_llm import (
 )
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.outputs import CompletionOutput, RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class FakeEngine:
@@ -39,6 +39,7 @@ class FakeEngine:
         self.max_running = max_running
         self.requests: dict[str, tuple[int, list[int]]] = {}
         self.added: list[str] = []
+        self.output_kinds: dict[str, RequestOutputKind] = {}
         self.steps = 0
         self.aborted_at: dict[str, int] = {}
         self.aborted = threading.Event()
@@ -61,6 +62,7 @@ class FakeEngine:
         if prompt == "bad":
             raise ValueError("prompt 'bad' is refused")
         self.added.append(request_id)
+        self.output_kinds[request_id] = params.output_kind
         self.requests[request_id] = (params.max_tokens, [])
 
     def abort_request(self, request_id):
@@ -139,6 +141,36 @@ def test_outputs_are_cumulative_and_observed_on_the_engine_thread():
     assert threading.get_ident() not in engine.thread_ids and len(engine.thread_ids) == 1
     assert len(observer.seen[QUEUE_TIME]) == len(observer.seen[TTFT]) == 1
     assert len(observer.seen[ITL]) == 4 and len(observer.seen[E2E]) == 1
+
+
+def test_final_only_stream_gets_its_finished_output_alone_and_every_latency():
+    engine, observer = FakeEngine(paced=True), Observer()
+    params = SamplingParams(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def go(llm):
+        stream = await llm.add_request("a", "p", params)
+        outs = []
+
+        async def read():
+            outs.extend([out async for out in stream])
+
+        reader = asyncio.ensure_future(read())
+        for _ in range(5):  # one step at a time, the reader given every chance to wake
+            engine.allow()
+            for _ in range(20):
+                await asyncio.sleep(0.001)
+        await reader
+        return outs
+
+    outs = run(go, engine, observer=observer)
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].outputs[0].token_ids == [0, 1, 2, 3, 4]
+    # The engine reported every step (a cumulative request to it); the caller's params
+    # are unchanged.
+    assert engine.output_kinds == {"a": RequestOutputKind.CUMULATIVE}
+    assert params.output_kind is RequestOutputKind.FINAL_ONLY
+    assert len(observer.seen[TTFT]) == 1 and len(observer.seen[ITL]) == 4
+    assert len(observer.seen[E2E]) == 1
 
 
 def test_bad_request_raises_value_error_and_frees_its_slot():
