@@ -296,7 +296,12 @@ class AsyncLLM:
             stream.queued = False
             self._num_queued -= 1
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], started: list[str]) -> None:
+        """Hands each output to its stream; `started` names requests whose first step
+        ran but whose outputs their streams do not take yet (FINAL_ONLY)."""
+        for request_id in started:
+            if (stream := self._streams.get(request_id)) is not None:
+                self._unqueue(stream)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -390,9 +395,17 @@ class AsyncLLM:
         start = time.monotonic()
         outputs = self._engine.step()
         now = time.monotonic()
-        outputs = [output for output in outputs if self._time(output, start, now)]
-        if outputs:
-            self._call_on_loop(self._deliver, outputs)
+        delivered: list[RequestOutput] = []
+        started: list[str] = []  # scheduled for the first time, nothing delivered: unqueue
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            first = timing is not None and not timing.scheduled
+            if self._time(output, start, now):
+                delivered.append(output)
+            elif first:
+                started.append(output.request_id)
+        if delivered or started:
+            self._call_on_loop(self._deliver, delivered, started)
 
     def _time(self, output: RequestOutput, step_start: float, now: float) -> bool:
         """Observes the output's latencies; whether its stream wants it."""

@@ -243,6 +243,30 @@ def test_queue_bound():
     assert run(go, engine, max_queued_requests=1).finished
 
 
+def test_queue_bound_counts_a_running_final_only_request_out():
+    engine = FakeEngine(max_running=1, paced=True)
+    final_only = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def go(llm):
+        running = await llm.add_request("a", "p", final_only)
+        engine.allow(1)
+        for _ in range(500):  # its first step ran: no longer queued, though nothing came
+            if llm._num_queued == 0:
+                break
+            await asyncio.sleep(0.002)
+        assert llm._num_queued == 0
+        adding = await queue_add(llm, "b", max_tokens=2)
+        engine.allow(1)
+        waiting = await adding  # queued behind "a": the one place the bound allows
+        with pytest.raises(QueueFullError):
+            await llm.add_request("c", "p", SamplingParams(max_tokens=2))
+        running.close()
+        engine.unpace()
+        return [o async for o in waiting][-1]
+
+    assert run(go, engine, max_queued_requests=1).finished
+
+
 def test_abort_all_errors_every_stream():
     engine = FakeEngine(paced=True)
 
