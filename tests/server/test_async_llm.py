@@ -224,40 +224,22 @@ def test_caller_cancelled_before_its_add_is_applied():
     assert run(go, engine)
 
 
-def test_queue_bound():
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+def test_queue_bound(kind):
     engine = FakeEngine(max_running=1, paced=True)
 
     async def go(llm):
-        running = await llm.add_request("a", "p", SamplingParams(max_tokens=50))
+        running = await llm.add_request("a", "p", SamplingParams(max_tokens=50, output_kind=kind))
         engine.allow(1)
-        await running.__anext__()  # scheduled: no longer queued
-        adding = await queue_add(llm, "b", max_tokens=2)
-        engine.allow(1)  # adds apply between steps: this one after the second
-        waiting = await adding  # queued behind "a", which holds the only running slot
-        with pytest.raises(QueueFullError):
-            await llm.add_request("c", "p", SamplingParams(max_tokens=2))
-        running.close()
-        engine.unpace()
-        return [o async for o in waiting][-1]
-
-    assert run(go, engine, max_queued_requests=1).finished
-
-
-def test_queue_bound_counts_a_running_final_only_request_out():
-    engine = FakeEngine(max_running=1, paced=True)
-    final_only = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def go(llm):
-        running = await llm.add_request("a", "p", final_only)
-        engine.allow(1)
-        for _ in range(500):  # its first step ran: no longer queued, though nothing came
+        # Its first step ran: no longer queued (a FINAL_ONLY stream has no output yet).
+        for _ in range(500):
             if llm._num_queued == 0:
                 break
             await asyncio.sleep(0.002)
         assert llm._num_queued == 0
         adding = await queue_add(llm, "b", max_tokens=2)
-        engine.allow(1)
-        waiting = await adding  # queued behind "a": the one place the bound allows
+        engine.allow(1)  # adds apply between steps: this one after the second
+        waiting = await adding  # queued behind "a", which holds the only running slot
         with pytest.raises(QueueFullError):
             await llm.add_request("c", "p", SamplingParams(max_tokens=2))
         running.close()
