@@ -46,12 +46,21 @@ class FakeEngine:
         self.fail = threading.Event()
         self.thread_ids: set[int] = set()
         self._tickets = threading.Semaphore(0)
+        # Steps that have begun waiting for their ticket: once step k + 1 waits, step k
+        # has returned and AsyncLLM has queued its delivery on the event loop.
+        self._waiting = 0
+        self._waiting_changed = threading.Condition()
         self._paced = paced
         # The real compiler (no request here is constrained): AsyncLLM shuts it down.
         self.structured_outputs = GrammarCompiler(self.tokenizer, self.vocab_size, [0])
 
     def allow(self, steps: int = 1) -> None:
         self._tickets.release(steps)
+
+    def wait_for_step(self, k: int) -> None:
+        """Blocks until the k-th step waits for its ticket (so the ones before it ran)."""
+        with self._waiting_changed:
+            assert self._waiting_changed.wait_for(lambda: self._waiting >= k, timeout=60)
 
     def unpace(self) -> None:
         self._paced = False
@@ -76,6 +85,9 @@ class FakeEngine:
     def step(self):
         self.thread_ids.add(threading.get_ident())
         if self._paced:
+            with self._waiting_changed:
+                self._waiting += 1
+                self._waiting_changed.notify_all()
             self._tickets.acquire()
         if self.fail.is_set():
             raise RuntimeError("device lost")
@@ -102,6 +114,15 @@ class Observer:
 
     def observe(self, name: str, seconds: float) -> None:
         self.seen.setdefault(name, []).append(seconds)
+
+
+async def loop_turns(n: int = 3) -> None:
+    """Lets the event loop run what is queued on it (a delivery, a reader it woke)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(n):
+        turn = loop.create_future()
+        loop.call_soon(turn.set_result, None)
+        await turn
 
 
 def run(coro_fn, engine: FakeEngine, **kw):
@@ -155,10 +176,11 @@ def test_final_only_stream_gets_its_finished_output_alone_and_every_latency():
             outs.extend([out async for out in stream])
 
         reader = asyncio.ensure_future(read())
-        for _ in range(5):  # one step at a time, the reader given every chance to wake
+        for k in range(2, 6):  # one step at a time, the reader given every chance to wake
             engine.allow()
-            for _ in range(20):
-                await asyncio.sleep(0.001)
+            await asyncio.to_thread(engine.wait_for_step, k)
+            await loop_turns()
+        engine.allow()  # the last step: nothing waits after it
         await reader
         return outs
 
@@ -232,10 +254,8 @@ def test_queue_bound(kind):
         running = await llm.add_request("a", "p", SamplingParams(max_tokens=50, output_kind=kind))
         engine.allow(1)
         # Its first step ran: no longer queued (a FINAL_ONLY stream has no output yet).
-        for _ in range(500):
-            if llm._num_queued == 0:
-                break
-            await asyncio.sleep(0.002)
+        await asyncio.to_thread(engine.wait_for_step, 2)
+        await loop_turns(1)  # the step's delivery, queued before the second step began
         assert llm._num_queued == 0
         adding = await queue_add(llm, "b", max_tokens=2)
         engine.allow(1)  # adds apply between steps: this one after the second
