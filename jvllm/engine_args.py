@@ -40,7 +40,7 @@ from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner import memory, xla_allocator
-from jvllm.runner.aot import measure_step_reserve
+from jvllm.runner.kv_sizing import device_kv_blocks
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.sampling_params import MAX_LOGPROBS
 
@@ -310,51 +310,27 @@ class EngineArgs:
         lookahead: int = 0,
     ) -> int:
         """KV blocks: `num_gpu_blocks_override`, else vLLM's sizing rule on a device
-        that reports its memory (`memory.gpu_budget`), else `cpu_kv_cache_bytes`."""
+        that reports its memory (`kv_sizing`), else `cpu_kv_cache_bytes`."""
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         per_block = _block_bytes(loaded, cache, tp, pp, draft)
-        device = jax.local_devices()[0]
-        if "bytes_limit" not in (device.memory_stats() or {}):
-            size = memory.kv_cache_size(
-                self.cpu_kv_cache_bytes,
-                per_block,
-                cache.block_size,
-                scheduler.max_num_seqs,
-                scheduler.max_model_len,
-            )
-            logger.info(
-                "GPU KV cache size: %d tokens (%d blocks of %d)",
-                size.num_tokens,
-                size.num_blocks - 1,
-                cache.block_size,
-            )
-            return size.num_blocks
-        if pp > 1 or loaded.num_offloaded_layers:  # programs the measurement cannot build
-            reserve = memory.activation_reserve(
-                scheduler.max_num_batched_tokens, loaded.spec.vocab_size
-            )
-            how = "estimated"
-        else:
-            reserve, _ = measure_step_reserve(
-                loaded, device, cache, scheduler, mesh, num_lookahead_tokens=lookahead, draft=draft
-            )
-            how = "measured"
-        stats = device.memory_stats()  # after the measurement, whose arrays are gone
-        total, cap = xla_allocator.device_limits(stats)
-        in_use = int(stats.get("bytes_in_use", 0))
-        budget = memory.gpu_budget(total, in_use, cache.gpu_memory_utilization, reserve, cap)
+        sized = device_kv_blocks(loaded, cache, scheduler, mesh, per_block, pp, draft, lookahead)
+        if sized is not None:
+            return sized
         size = memory.kv_cache_size(
-            budget.kv_bytes,
+            self.cpu_kv_cache_bytes,
             per_block,
             cache.block_size,
             scheduler.max_num_seqs,
             scheduler.max_model_len,
         )
-        models = [loaded] + ([draft] if draft is not None else [])
-        weights = sum(m.bytes_per_device().get(device, 0) for m in models)
-        logger.info("%s", memory.startup_line(budget, weights, size, how))
+        logger.info(
+            "GPU KV cache size: %d tokens (%d blocks of %d)",
+            size.num_tokens,
+            size.num_blocks - 1,
+            cache.block_size,
+        )
         return size.num_blocks
 
 
