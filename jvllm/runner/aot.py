@@ -224,7 +224,7 @@ def measure_step_reserve(
 ) -> tuple[int, list[CompiledProgram]]:
     """The step reserve of the KV-cache sizing: `step_transient_bytes` and
     `step_input_bytes` of the largest token bucket's programs (its forward, sampler and
-    prompt logprobs, the block copy, any drafter's and swap programs), compiled for
+    prompt logprobs, the block copy, any drafter's programs), compiled for
     `device` against a two-block cache; and those programs. The runner that compiled
     them is dropped (on a GPU it holds a few small device arrays)."""
     runner = CompileOnlyRunner(

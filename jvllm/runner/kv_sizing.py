@@ -36,6 +36,12 @@ def device_kv_blocks(
     None where it reports no memory statistics (CPU devices)."""
     device = jax.local_devices()[0]
     if "bytes_limit" not in (device.memory_stats() or {}):
+        if device.platform != "cpu":
+            logger.warning(
+                "%s reports no memory statistics (XLA_PYTHON_CLIENT_ALLOCATOR=platform?): "
+                "the KV cache takes cpu_kv_cache_bytes; set num_gpu_blocks_override",
+                device.device_kind,
+            )
         return None
     if pipeline_stages > 1 or loaded.num_offloaded_layers:  # programs not measured here
         reserve = memory.activation_reserve(
