@@ -101,8 +101,8 @@ def configure_allocator(utilization: float) -> AllocatorSetting:
         )
     elif given := {k: os.environ[k] for k in USER_SETTINGS if k in os.environ}:
         setting = AllocatorSetting(USER, f"XLA's allocator left as set: {given}")
-    elif not 0.0 < utilization <= 1.0:
-        return AllocatorSetting(NOT_GPU, f"gpu_memory_utilization={utilization} not applied")
+    elif not isinstance(utilization, int | float) or not 0.0 < utilization <= 1.0:
+        return AllocatorSetting(NOT_GPU, f"gpu_memory_utilization={utilization!r} not applied")
     else:
         os.environ[FRACTION_ENV] = repr(float(utilization))
         setting = AllocatorSetting(SET, f"{FRACTION_ENV}={utilization} (gpu_memory_utilization)")

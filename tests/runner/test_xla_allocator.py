@@ -43,6 +43,7 @@ SCENARIOS = {
         0.5,
     ),
     "out of range": ({"JAX_PLATFORMS": "cuda"}, "", 1.5),
+    "not a number": ({"JAX_PLATFORMS": "cuda"}, "", "'0.9'"),
     **{f"user {k}": ({"JAX_PLATFORMS": "cuda", k: v}, "", 0.5) for k, v in USER_VALUES.items()},
 }
 
@@ -94,8 +95,10 @@ def test_after_the_backend_started_it_takes_what_is_there(outcomes):
     assert out == dict(how=xa.STARTED, again=xa.STARTED, started=True, env=NOTHING_SET)
 
 
-def test_an_out_of_range_utilization_is_not_applied_and_does_not_fail(outcomes):
-    out = outcomes["out of range"]
+@pytest.mark.parametrize("case", ["out of range", "not a number"])
+def test_a_bad_utilization_is_not_applied_and_does_not_fail(outcomes, case):
+    """CacheConfig rejects it later, with the field's name; here it changes nothing."""
+    out = outcomes[case]
     assert out["how"] == xa.NOT_GPU and out["again"] == xa.SET  # 0.3 then applies
     assert out["env"] == NOTHING_SET | {xa.FRACTION_ENV: "0.3"}
 
