@@ -5,7 +5,8 @@
 # kernel benchmark and, when bench/throughput.py exists, the 8B throughput benchmark;
 # prints a short table last, with the predictions that tests/gpu_compile made without a GPU
 # (bench/results/deviceless_h200.json: kernel registers, spills and shared memory, KV-cache
-# blocks) beside what this GPU reports. About 8 minutes; each step has a time limit.
+# blocks) beside what this GPU reports, and XLA's memory_stats() beside the KV-cache budget
+# jvllm plans from them. About 8 minutes; each step has a time limit.
 #
 # Here, once, from the repository root (.whl/ is git-ignored; the image has jax 0.11,
 # triton 3.6 and absl-py, which is what jax-triton 0.3.1 needs):
@@ -26,8 +27,10 @@ RESULTS=${OUT:-bench/results}
 PY=${PYTHON:-python3}
 mkdir -p "$LOGS" "$RESULTS"
 export PYTHONUNBUFFERED=1
-# Torch and JAX share the GPU: neither may take most of its memory up front.
+# Torch and JAX share the GPU: neither may take most of its memory up front. The memory
+# and throughput steps drop this (OWNED): there jvllm sets XLA's allocator itself.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OWNED=(env -u XLA_PYTHON_CLIENT_PREALLOCATE)
 unset TRITON_INTERPRET
 
 SUMMARY=()
@@ -61,6 +64,8 @@ except Exception as e:
     jt = f'missing ({e})'
 print(torch.cuda.get_device_name(), '| jax', jax.__version__, jax.devices(),
       '| triton', triton.__version__, '| torch', torch.__version__, '| jax-triton', jt)"
+# XLA's allocator as LLM() sets it, memory_stats() beside the planned 8B budget.
+step memory 90 "${OWNED[@]}" "$PY" bench/gpu_memory.py --output "$RESULTS/gpu_memory.json"
 # The image lacks the server's packages; its tests are CPU tests, so leave them out then.
 IGNORE=()
 "$PY" -c "import starlette, pydantic, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/server)
@@ -87,7 +92,7 @@ if [ "$(left)" -gt 240 ]; then
 fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
-  step throughput "$(($(left) - 20))" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
+  step throughput "$(($(left) - 20))" "${OWNED[@]}" "$PY" bench/throughput.py $THROUGHPUT_ARGS \
     --output "$RESULTS/throughput_8b.json"
 elif [ -f bench/throughput.py ]; then
   SUMMARY+=("throughput   skipped  (under 90 s left of GPU_CHECK_BUDGET=$BUDGET)")
@@ -103,6 +108,9 @@ print(kernel.report(json.load(open('$RESULTS/kernel.json'))))"
 else
   tail -5 "$LOGS/kernel.log"
 fi
+echo "=== device memory: memory_stats() | planned budget (bench/gpu_memory.py)"
+sed -n '/^ *figure /,$p' "$LOGS/memory.log" | head -11
+grep -h "Device memory:" "$LOGS/throughput.log" 2>/dev/null | tail -1
 echo "=== deviceless predictions (tests/gpu_compile, no GPU) | this GPU"
 timeout 120 "$PY" bench/gpu_predictions.py --throughput "$RESULTS/throughput_8b.json" 2>&1 |
   tee "$LOGS/predictions.log" | grep -v "^W\|^I0"

@@ -269,6 +269,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from jvllm.engine_args import EngineArgs
     from jvllm.parallel.distributed import distributed_config
+    from jvllm.runner.xla_allocator import configure_allocator
     from jvllm.server.launch import run_follower, run_server
 
     names = [name for name, _ in engine_flag_fields()] + [n.name for n in compat.no_ops(False)]
@@ -291,6 +292,8 @@ def _serve(args: argparse.Namespace) -> int:
         served = tuple(args.served_model_name or [model])
     engine_kwargs = compat.accept(model, options)
     engine_args = EngineArgs(model=model, **engine_kwargs)
+    # Before JAX's backend starts (the server's engine, or a follower's runner).
+    configure_allocator(engine_args.gpu_memory_utilization)
     dist = distributed_config(
         engine_args.coordinator_address, engine_args.num_processes, engine_args.process_id
     )

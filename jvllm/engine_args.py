@@ -39,7 +39,8 @@ from jvllm.parallel import step_channel
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
-from jvllm.runner import memory
+from jvllm.runner import memory, xla_allocator
+from jvllm.runner.kv_sizing import device_kv_blocks
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.sampling_params import MAX_LOGPROBS
 
@@ -146,6 +147,8 @@ class EngineArgs:
         return self._build().runner
 
     def _build(self) -> _Built:
+        # Before anything starts JAX's backend (LLM and `jvllm serve` call it earlier).
+        xla_allocator.configure_allocator(self.gpu_memory_utilization)
         _check_cpu_offload(self.cpu_offload_gb)
         speculative = self.speculative()
         model_config = ModelConfig(
@@ -212,7 +215,8 @@ class EngineArgs:
             kv_offloading_size=self.kv_offloading_size,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        num_blocks = self._num_blocks(loaded, cache, scheduler, draft)
+        lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+        num_blocks = self._num_blocks(loaded, cache, scheduler, mesh, draft, lookahead)
         check_kv_capacity(scheduler, cache, num_blocks)  # before compiling anything
         num_host_blocks, num_tier_blocks = self._num_host_blocks(loaded, cache, scheduler, draft)
         if dist is not None and dist.num_processes > 1:
@@ -227,7 +231,6 @@ class EngineArgs:
                 client, dist.process_id, dist.num_processes, fingerprint, num_blocks
             )
             step_channel.start_liveness(dist.process_id, dist.num_processes)
-        lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         runner = ModelRunner(
             loaded,
             num_blocks,
@@ -302,27 +305,25 @@ class EngineArgs:
         loaded: LoadedModel,
         cache: CacheConfig,
         scheduler: SchedulerConfig,
+        mesh: Any,
         draft: LoadedModel | None = None,
+        lookahead: int = 0,
     ) -> int:
+        """KV blocks: `num_gpu_blocks_override`, else vLLM's sizing rule on a device
+        that reports its memory (`kv_sizing`), else `cpu_kv_cache_bytes`."""
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        spec = loaded.spec
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         per_block = _block_bytes(loaded, cache, tp, pp, draft)
-        stats = jax.local_devices()[0].memory_stats()
-        if stats and "bytes_limit" in stats:
-            # Free device memory after the weights, less a margin for activations.
-            reserve = memory.activation_reserve(scheduler.max_num_batched_tokens, spec.vocab_size)
-            budget = memory.gpu_budget(
-                stats["bytes_limit"],
-                stats.get("bytes_in_use", 0),
-                cache.gpu_memory_utilization,
-                reserve,
-            )
-        else:
-            budget = self.cpu_kv_cache_bytes
+        sized = device_kv_blocks(loaded, cache, scheduler, mesh, per_block, pp, draft, lookahead)
+        if sized is not None:
+            return sized
         size = memory.kv_cache_size(
-            budget, per_block, cache.block_size, scheduler.max_num_seqs, scheduler.max_model_len
+            self.cpu_kv_cache_bytes,
+            per_block,
+            cache.block_size,
+            scheduler.max_num_seqs,
+            scheduler.max_model_len,
         )
         logger.info(
             "GPU KV cache size: %d tokens (%d blocks of %d)",

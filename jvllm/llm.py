@@ -20,6 +20,7 @@ from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
+from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
@@ -40,6 +41,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM got unknown arguments: {sorted(unknown)}")
         self.engine_args = args = EngineArgs(model=str(model), **kwargs)
+        # XLA's allocator reads its settings once, when JAX's backend starts: set them
+        # from gpu_memory_utilization before anything can start it.
+        configure_allocator(args.gpu_memory_utilization)
         # Before the engine: a bad generation_config or max_logprobs fails in a moment.
         self.defaults = RequestDefaults.load(args.generation_config, args.model, args.max_logprobs)
         self.engine = args.create_engine()

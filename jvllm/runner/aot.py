@@ -14,12 +14,17 @@ attribute ending in `_fn` (of the runner, or of its `blocks`, the `BlockCopier`)
 is ShapeDtypeStructs, `_put` keeps host arrays on the host, and each `_fn` call places
 its host arguments on the target (replicated on a mesh), compiles once per distinct
 signature, and returns the outputs as ShapeDtypeStructs for the next program.
+Also owns the reserve the KV-cache sizing keeps for one step (`measure_step_reserve`):
+what the largest bucket's compiled programs need beyond their arguments, measured by
+compiling them against a two-block cache (a program's temporaries do not depend on the
+cache's size: the cache is donated, so aliased, never copied).
 Not owned: checking what was compiled (jvllm.testing.deviceless).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,6 +41,7 @@ from jvllm.models.registry import model_class
 from jvllm.models.spec import ModelSpec, hf_name
 from jvllm.parallel.mesh import cache_sharding, partition_spec, replicated
 from jvllm.runner.model_runner import ModelRunner
+from jvllm.runner.xla_allocator import compile_memory_size
 
 
 class CompiledProgram(NamedTuple):
@@ -102,7 +108,7 @@ class _CompileOnCall:
             program = hashlib.sha256(lowered.as_text().encode()).hexdigest() + _devices(args)
             shared = self.runner.shared_compiles
             if program not in shared:  # another runner may have built the very same program
-                shared[program] = lowered.compile()
+                shared[program] = self.runner.compile(lowered)
             seconds = time.perf_counter() - start
             label = _describe(args, kwargs)
             self.runner.programs.append(
@@ -126,12 +132,18 @@ class CompileOnlyRunner(ModelRunner):
         scheduler_config: SchedulerConfig,
         mesh: Mesh | None = None,
         shared_compiles: dict[str, jax.stages.Compiled] | None = None,
+        device_memory_bytes: int | None = None,
+        **runner_options: Any,
     ) -> None:
+        """`device_memory_bytes`: what XLA is told a program may use of a device (its
+        scheduler's budget, which a GPU's allocator gives it; `compile_memory_size`);
+        None: XLA's own default. `runner_options`: ModelRunner's further arguments."""
         self.device = device  # the target when there is no mesh
         self.programs: list[CompiledProgram] = []
         # StableHLO digest and devices -> executable, shareable between runners.
         self.shared_compiles = {} if shared_compiles is None else shared_compiles
-        super().__init__(loaded, num_blocks, cache_config, scheduler_config, mesh)
+        self.device_memory_bytes = device_memory_bytes
+        super().__init__(loaded, num_blocks, cache_config, scheduler_config, mesh, **runner_options)
         self.last_sampled = np.zeros(self.max_rows, np.int32)  # to_target places it
         for owner in (self, self.blocks):
             for attribute, value in list(vars(owner).items()):
@@ -142,6 +154,12 @@ class CompileOnlyRunner(ModelRunner):
     @property
     def num_compilations(self) -> int:
         return len(self.programs)
+
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        if self.device_memory_bytes is None:
+            return lowered.compile()
+        with compile_memory_size(self.device_memory_bytes):
+            return lowered.compile()
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         s = self.spec
@@ -167,3 +185,61 @@ class CompileOnlyRunner(ModelRunner):
         self._run_forward([], self.batch_shape(num_tokens))
         assert len(self.programs) == before + 1, "already compiled"
         return self.programs[-1]
+
+
+def step_transient_bytes(programs: list[CompiledProgram]) -> int:
+    """Bytes one step needs beyond its arguments: the worst temporaries and fresh
+    (not aliased) outputs of each program, summed as if all were live at once."""
+    worst: dict[str, int] = {}
+    for p in programs:
+        m = p.compiled.memory_analysis()
+        fresh = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        worst[p.name] = max(worst.get(p.name, 0), fresh)
+    return sum(worst.values())
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of placed arrays (or ShapeDtypeStructs)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def step_input_bytes(programs: list[CompiledProgram], resident: int) -> int:
+    """The forward's arguments beyond what stays resident (weights and KV cache): the
+    step's packed inputs, block tables and sampling arrays."""
+    forwards = [p for p in programs if p.name == "forward"]
+    args = max(p.compiled.memory_analysis().argument_size_in_bytes for p in forwards)
+    return max(0, args - resident)
+
+
+def measure_step_reserve(
+    loaded: LoadedModel,
+    device: jax.Device,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    mesh: Mesh | None = None,
+    device_memory_bytes: int | None = None,
+    shared_compiles: dict[str, jax.stages.Compiled] | None = None,
+    **runner_options: Any,
+) -> tuple[int, list[CompiledProgram]]:
+    """The step reserve of the KV-cache sizing: `step_transient_bytes` and
+    `step_input_bytes` of the largest token bucket's programs (its forward, sampler and
+    prompt logprobs, the block copy, any drafter's programs), compiled for
+    `device` against a two-block cache; and those programs. The runner that compiled
+    them is dropped (on a GPU it holds a few small device arrays)."""
+    runner = CompileOnlyRunner(
+        loaded,
+        device,
+        2,
+        cache_config,
+        scheduler_config,
+        mesh,
+        shared_compiles,
+        device_memory_bytes=device_memory_bytes,
+        **runner_options,
+    )
+    runner.token_buckets = runner.token_buckets[-1:]
+    runner.warm_up()
+    resident = _device_bytes((loaded.params, runner.caches))  # the forward takes all
+    inputs = step_input_bytes(runner.programs, resident)
+    return step_transient_bytes(runner.programs) + inputs, runner.programs

@@ -1,11 +1,15 @@
 """KV-cache sizing: how many cache blocks fit in what a device has left.
 
 Owns the arithmetic of vLLM's sizing rule: the engine may use `gpu_memory_utilization`
-of the device's memory; the weights are already there; a reserve is kept for one step's
-activations; the KV cache gets the rest, in whole blocks, never more blocks than every
-sequence at full length could use. It reads no device: the caller passes the numbers (a
-GPU's `memory_stats()` at start-up, or a compile-only device's memory size and compiled
-programs in tests/gpu_compile), so the same rule is checked without a GPU.
+of the device's total memory (never more than XLA's allocator lets this process have);
+what is already in use there (the weights, and any arrays a JAX program made before
+the engine) and a reserve for one step's temporaries (measured from the compiled
+programs, `jvllm.runner.aot.measure_step_reserve`) come off it; the KV cache gets the
+rest, in whole blocks, never more blocks than every sequence at full length could use;
+and the start-up line that reports it all. It reads no device: the caller passes the
+numbers (a GPU's `memory_stats()` at start-up, or a compile-only device's memory size
+and compiled programs in tests/gpu_compile), so the same rule is checked without a GPU.
+Setting XLA's allocator is `jvllm.runner.xla_allocator`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import NamedTuple
 from jvllm.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
 
 
 class KVCacheSize(NamedTuple):
@@ -41,29 +47,64 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, itemsize: int, tp: int) -> 
 
 
 def activation_reserve(max_num_batched_tokens: int, vocab_size: int) -> int:
-    """Bytes kept back for one step's activations: four float32 `[T, V]` arrays.
+    """An estimate of one step's temporaries, four float32 `[T, V]` arrays, for where
+    the compiled programs cannot be measured (pipeline stages, offloaded weights).
 
     At the largest bucket the logits-sized arrays dominate (every token's log-softmax
-    for prompt logprobs, the sampler's copies); tests/gpu_compile checks this bound
-    against the compiled programs' temporaries and outputs for an 8B model on an H200."""
+    for prompt logprobs, the sampler's copies); tests/gpu_compile compares it with the
+    measured reserve of an 8B model on an H200."""
     return 4 * max_num_batched_tokens * vocab_size * 4
 
 
-def gpu_budget(bytes_limit: int, bytes_in_use: int, utilization: float, reserve: int) -> int:
-    """Bytes left for the KV cache on one device."""
-    return int(bytes_limit * utilization) - bytes_in_use - reserve
+class DeviceBudget(NamedTuple):
+    """One device's memory at start-up, as the sizing rule sees it (bytes)."""
+
+    total: int  # the device's memory
+    utilization: float  # gpu_memory_utilization
+    limit: int  # what the engine may use: total x utilization, within the allocator's cap
+    in_use: int  # arrays already on the device: the weights, and any made before
+    reserve: int  # one step's temporaries and fresh outputs
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes left for the KV cache (negative: not even the weights fit)."""
+        return self.limit - self.in_use - self.reserve
+
+
+def gpu_budget(
+    total: int, in_use: int, utilization: float, reserve: int, allocator_cap: int | None = None
+) -> DeviceBudget:
+    """vLLM's rule: `total x utilization - in_use - reserve` for the KV cache, where
+    `allocator_cap` (XLA's `bytes_limit`, or its preallocated pool) may lower the limit
+    when the allocator was set by someone else or got less from the driver."""
+    limit = int(total * utilization)
+    if allocator_cap is not None:
+        limit = min(limit, allocator_cap)
+    return DeviceBudget(total, utilization, limit, in_use, reserve)
+
+
+def startup_line(budget: DeviceBudget, weights: int, size: KVCacheSize, reserve_how: str) -> str:
+    """The one start-up line, as vLLM's: device total, utilization, weights (and other
+    arrays in use), the KV cache, the reserve, and the KV tokens that results."""
+    gib = lambda n: f"{n / GIB:.2f} GiB"
+    kv = size.num_blocks * size.block_bytes
+    return (
+        f"Device memory: total {gib(budget.total)}, gpu_memory_utilization "
+        f"{budget.utilization:.2f} -> limit {gib(budget.limit)}; weights {gib(weights)} "
+        f"(other arrays {gib(max(0, budget.in_use - weights))}); step reserve "
+        f"{gib(budget.reserve)} ({reserve_how}); KV cache {gib(kv)} ({size.num_blocks} "
+        f"blocks of {size.block_size}, one the null block) = {size.num_tokens:,} tokens"
+    )
 
 
 def kv_cache_size(
     budget_bytes: int, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int
 ) -> KVCacheSize:
-    """Whole blocks within the budget, capped at what every sequence at full length uses."""
+    """Whole blocks within the budget, the null block among them, capped at what every
+    sequence at full length uses (plus the null block); at least the null block."""
     useful = max_num_seqs * math.ceil(max_model_len / block_size)
-    fitting = max(0, budget_bytes // block_bytes)
-    return KVCacheSize(min(fitting, useful) + 1, block_size, block_bytes)  # + the null block
-
-
-GIB = 1 << 30
+    fitting = max(1, budget_bytes // block_bytes)
+    return KVCacheSize(min(fitting, useful + 1), block_size, block_bytes)
 
 
 def host_block_count(swap_space_gib: float, block_bytes: int) -> int:

@@ -4,7 +4,9 @@ Owns XLA:GPU compile-only devices from a GPU target description
 (`jax.experimental.topologies`) and one check per question, each returning plain facts
 (JSON-ready dicts): every program the runner's warm-up compiles for one model on one
 device (via `jvllm.runner.aot`), with ptxas on its Triton kernels and the KV-cache sizing
-rule against the compiled programs' memory; one tensor-parallel forward over a topology's
+rule against the compiled programs' memory (the step reserve measured as the engine
+measures it, XLA told the same budget as a GPU's allocator tells it, and what XLA's
+scheduler logs while compiling); one tensor-parallel forward over a topology's
 devices; and a launch configuration known to be bad. Not owned: which models and sizes
 to check, the report and the command line (jvllm.testing.deviceless_cli), the assertions
 (tests/gpu_compile). Needs the CUDA PJRT plugin and jax-triton importable.
@@ -12,11 +14,15 @@ to check, the report and the command line (jvllm.testing.deviceless_cli), the as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import re
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,12 +37,20 @@ from jvllm.models.loader import LoadedModel
 from jvllm.models.spec import ModelSpec
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner import memory
-from jvllm.runner.aot import CompiledProgram, CompileOnlyRunner, abstract_model
+from jvllm.runner.aot import (
+    CompiledProgram,
+    CompileOnlyRunner,
+    abstract_model,
+    measure_step_reserve,
+)
 from jvllm.testing import triton_ptx
 
 GPU_ARCH = "sm_90a"
 UTILIZATION = 0.9
 # Collective ops of compiled XLA:GPU HLO (the async forms end in -start).
+# What XLA:GPU logs when a program's arguments exceed the memory it was told of, and
+# when rematerialization cannot bring a program under its limit.
+SCHEDULER_WARNING = re.compile(r"exceeds the base limit|Can't reduce memory use below")
 _COLLECTIVE = re.compile(
     r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
 )
@@ -95,23 +109,69 @@ def model_on(spec: ModelSpec, dtype: Any, devices: list[jax.Device]) -> LoadedMo
     return abstract_model(spec, dtype, "triton", mesh, devices[0])
 
 
+class Sizing(NamedTuple):
+    size: memory.KVCacheSize
+    weights: int  # bytes of parameters on one device
+    budget: memory.DeviceBudget
+
+
+def configs(
+    sizes: EngineSizes, kv_cache_dtype: str = "auto"
+) -> tuple[CacheConfig, SchedulerConfig]:
+    scheduler = SchedulerConfig(
+        max_num_seqs=sizes.max_num_seqs,
+        max_num_batched_tokens=sizes.max_num_batched_tokens,
+        max_model_len=sizes.max_model_len,
+    )
+    return CacheConfig(block_size=sizes.block_size, kv_cache_dtype=kv_cache_dtype), scheduler
+
+
+def limit_bytes(target: Target, utilization: float) -> int:
+    return int(target.memory_bytes * utilization)
+
+
+def measured_reserve(
+    loaded: LoadedModel, sizes: EngineSizes, target: Target, utilization: float
+) -> int:
+    """The engine's step reserve (`aot.measure_step_reserve`) on the target."""
+    cache, scheduler = configs(sizes)
+    reserve, _ = measure_step_reserve(
+        loaded,
+        target.devices()[0],
+        cache,
+        scheduler,
+        loaded.module.mesh,
+        device_memory_bytes=limit_bytes(target, utilization),
+        shared_compiles=_COMPILED,
+    )
+    return reserve
+
+
 def kv_cache_for(
-    loaded: LoadedModel, sizes: EngineSizes, target: Target, kv_cache_dtype: str = "auto"
-) -> tuple[memory.KVCacheSize, int, int]:
-    """The engine's sizing rule on one device; weights from the abstract params."""
+    loaded: LoadedModel,
+    sizes: EngineSizes,
+    target: Target,
+    kv_cache_dtype: str = "auto",
+    utilization: float = UTILIZATION,
+    reserve: int | None = None,
+) -> Sizing:
+    """The engine's sizing rule on one device; weights from the abstract params (all a
+    fresh device holds); `reserve` None: the estimate (`memory.activation_reserve`)."""
     tp = 1 if loaded.module.mesh is None else loaded.module.mesh.devices.size
     weights = _bytes(loaded.params)
     itemsize = np.dtype(CacheConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(loaded.dtype)).itemsize
     block = memory.kv_block_bytes(loaded.spec, sizes.block_size, itemsize, tp)
-    reserve = memory.activation_reserve(sizes.max_num_batched_tokens, loaded.spec.vocab_size)
-    budget = memory.gpu_budget(target.memory_bytes, weights, UTILIZATION, reserve)
+    if reserve is None:
+        reserve = memory.activation_reserve(sizes.max_num_batched_tokens, loaded.spec.vocab_size)
+    budget = memory.gpu_budget(target.memory_bytes, weights, utilization, reserve)
     size = memory.kv_cache_size(
-        budget, block, sizes.block_size, sizes.max_num_seqs, sizes.max_model_len
+        budget.kv_bytes, block, sizes.block_size, sizes.max_num_seqs, sizes.max_model_len
     )
-    return size, weights, reserve
+    return Sizing(size, weights, budget)
 
 
-# Programs compiled so far in this process (tiny models share their sampler programs).
+# Programs compiled so far in this process (tiny models share their sampler programs;
+# XLA's memory limit aside, which changes no program whose arguments fit it anyway).
 _COMPILED: dict[str, jax.stages.Compiled] = {}
 
 
@@ -121,16 +181,46 @@ def build_runner(
     num_blocks: int,
     device: jax.Device,
     kv_cache_dtype: str = "auto",
+    device_memory_bytes: int | None = None,
+    shared: bool = True,
 ) -> CompileOnlyRunner:
-    scheduler = SchedulerConfig(
-        max_num_seqs=sizes.max_num_seqs,
-        max_num_batched_tokens=sizes.max_num_batched_tokens,
-        max_model_len=sizes.max_model_len,
-    )
-    cache = CacheConfig(block_size=sizes.block_size, kv_cache_dtype=kv_cache_dtype)
+    """A compile-only runner; `shared=False` compiles every program afresh."""
+    cache, scheduler = configs(sizes, kv_cache_dtype)
     return CompileOnlyRunner(
-        loaded, device, num_blocks, cache, scheduler, loaded.module.mesh, _COMPILED
+        loaded,
+        device,
+        num_blocks,
+        cache,
+        scheduler,
+        loaded.module.mesh,
+        _COMPILED if shared else {},
+        device_memory_bytes=device_memory_bytes,
     )
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """What the process writes to file descriptor 2 in the block (XLA's C++ log), in the
+    list yielded once the block ends; copied on to the real stderr as well."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    text: list[str] = []
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            captured = f.read()
+            os.write(2, captured)
+            text.append(captured.decode(errors="replace"))
+
+
+def scheduler_warnings(log: str) -> list[str]:
+    return [line[-200:] for line in log.splitlines() if SCHEDULER_WARNING.search(line)]
 
 
 def program_row(model: str, p: CompiledProgram) -> dict[str, Any]:
@@ -160,23 +250,27 @@ def kernel_rows(model: str, p: CompiledProgram, target: Target) -> list[dict[str
     return list(rows.values())
 
 
-def memory_fit(
-    programs: list[dict[str, Any]], size: memory.KVCacheSize, weights: int, reserve: int
-) -> dict[str, Any]:
+def memory_fit(programs: list[dict[str, Any]], sizing: Sizing) -> dict[str, Any]:
     """Peak use of one step: what stays resident (weights, cache) plus, as if at once,
-    the worst temporaries and fresh outputs of each program."""
+    the worst temporaries and fresh outputs of each program; beside the sizing rule's
+    figures."""
     resident = max(p["argument_bytes"] for p in programs if p["program"] == "forward")
     worst: dict[str, int] = {}
     for p in programs:
         fresh = p["temp_bytes"] + p["output_bytes"] - p["alias_bytes"]
         worst[p["program"]] = max(worst.get(p["program"], 0), fresh)
     transient = sum(worst.values())
+    size, budget = sizing.size, sizing.budget
     return dict(
         num_blocks=size.num_blocks,
         kv_tokens=size.num_tokens,
         block_bytes=size.block_bytes,
-        weight_bytes=weights,
-        reserve_bytes=reserve,
+        weight_bytes=sizing.weights,
+        total_bytes=budget.total,
+        utilization=budget.utilization,
+        limit_bytes=budget.limit,
+        reserve_bytes=budget.reserve,
+        budget_bytes=budget.kv_bytes,
         resident_bytes=resident,
         transient_bytes=transient,
         peak_bytes=resident + transient,
@@ -191,14 +285,22 @@ def check_model(
     target: Target,
     buckets: Sequence[int] | None = None,
     kv_cache_dtype: str = "auto",
+    utilization: float = UTILIZATION,
+    measure: bool = False,
 ) -> dict[str, Any]:
-    """Warm-up's programs for one device, their kernels, and the memory they need."""
+    """Warm-up's programs for one device, their kernels, the memory they need, and what
+    XLA's scheduler logged compiling them. `measure`: the step reserve measured as the
+    engine measures it on a GPU, else the estimate (faster)."""
     loaded = model_on(spec, dtype, target.devices())
-    size, weights, reserve = kv_cache_for(loaded, sizes, target, kv_cache_dtype)
-    runner = build_runner(loaded, sizes, size.num_blocks, target.devices()[0], kv_cache_dtype)
+    reserve = measured_reserve(loaded, sizes, target, utilization) if measure else None
+    sizing = kv_cache_for(loaded, sizes, target, kv_cache_dtype, utilization, reserve)
+    limit = limit_bytes(target, utilization)
+    device = target.devices()[0]
+    runner = build_runner(loaded, sizes, sizing.size.num_blocks, device, kv_cache_dtype, limit)
     if buckets is not None:
         runner.token_buckets = tuple(buckets)  # a representative subset
-    runner.warm_up()
+    with captured_stderr() as log:
+        runner.warm_up()
     programs = [program_row(name, p) for p in runner.programs]
     forwards = [p for p in runner.programs if p.name == "forward"]
     return dict(
@@ -206,8 +308,22 @@ def check_model(
         buckets=list(runner.token_buckets),
         programs=programs,
         kernels=[k for p in forwards for k in kernel_rows(name, p, target)],
-        memory=memory_fit(programs, size, weights, reserve),
+        memory=memory_fit(programs, sizing) | dict(reserve_measured=measure),
+        scheduler_warnings=scheduler_warnings(log[0]),
     )
+
+
+def check_unlimited_forward(
+    spec: ModelSpec, sizes: EngineSizes, target: Target, num_tokens: int = 16
+) -> dict[str, Any]:
+    """A test of the test: one forward with the 0.9-sized cache compiled as before XLA
+    was told the budget (80% of the device, XLA's default), and what XLA logged."""
+    loaded = model_on(spec, jnp.bfloat16, target.devices())
+    sizing = kv_cache_for(loaded, sizes, target)
+    runner = build_runner(loaded, sizes, sizing.size.num_blocks, target.devices()[0], shared=False)
+    with captured_stderr() as log:
+        p = runner.compile_forward(num_tokens)
+    return dict(label=p.label, scheduler_warnings=scheduler_warnings(log[0]))
 
 
 def _big_shapes(arrays: list[jax.ShapeDtypeStruct]) -> set[str]:
@@ -225,7 +341,8 @@ def check_tensor_parallel(
     tp = len(devices)
     loaded = model_on(spec, jnp.bfloat16, devices)
     size, _, _ = kv_cache_for(loaded, EIGHT_B, target)
-    runner = build_runner(loaded, EIGHT_B, size.num_blocks, devices[0])
+    limit = limit_bytes(target, UTILIZATION)
+    runner = build_runner(loaded, EIGHT_B, size.num_blocks, devices[0], device_memory_bytes=limit)
     p = runner.compile_forward(num_tokens)
     compiled = p.compiled.as_text()
     big = _big_shapes([*jax.tree.leaves(loaded.params), runner.caches[0][0]])

@@ -1,12 +1,15 @@
 """The deviceless H200 compile of tests/gpu_compile, as one command and one report.
 
 Owns which models, sizes and topologies are checked (an 8B-shaped Llama in bf16 on one
-H200; the tiny checkpoints of every architecture in bf16 and f32; TP=2/4/8 in one
-process and TP=2 over two; the bad launches), the JSON report, its printed summary and
-the predictions that bench/gpu_check.sh prints beside a real GPU's figures. The checks
-themselves are jvllm.testing.deviceless. Run it from the repository root (the 8B shapes
-are bench.common's preset) in its own process, with JAX_PLATFORMS=cpu, the CUDA PJRT
-plugin and jax-triton importable and JVLLM_TRITON_COMPUTE_CAPABILITY set (process-wide):
+H200, its KV cache sized at gpu_memory_utilization 0.9 and 0.5 with the measured step
+reserve, and one forward compiled without XLA being told the budget, whose scheduler
+warning shows what the others avoid; the tiny checkpoints of every architecture in bf16
+and f32; TP=2/4/8 in one process and TP=2 over two; the bad launches), the JSON report,
+its printed summary and the predictions that bench/gpu_check.sh prints beside a real
+GPU's figures. The checks themselves are jvllm.testing.deviceless. Run it from the
+repository root (the 8B shapes are bench.common's preset) in its own process, with
+JAX_PLATFORMS=cpu, the CUDA PJRT plugin and jax-triton importable and
+JVLLM_TRITON_COMPUTE_CAPABILITY set (process-wide):
     python -m jvllm.testing.deviceless_cli --target h200.txtpb --tiny CKPT_DIR ... --report r.json
 """
 
@@ -37,6 +40,7 @@ from jvllm.testing.deviceless import (
     check_fp8_matmul,
     check_model,
     check_tensor_parallel,
+    check_unlimited_forward,
     kv_cache_for,
     model_on,
 )
@@ -62,10 +66,19 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
     report: dict[str, Any] = dict(models=[], tensor_parallel=[], bad_launches={})
     start = time.perf_counter()
     if "8b" in sections:
+        spec = eight_b_spec()
         report["models"].append(
-            check_model("8b bf16", eight_b_spec(), jnp.bfloat16, EIGHT_B, target, args.buckets)
+            check_model("8b bf16", spec, jnp.bfloat16, EIGHT_B, target, args.buckets, measure=True)
         )
-        loaded = model_on(eight_b_spec(), jnp.bfloat16, target.devices())
+        # The same rule at half the device: the largest bucket is the one that can fail.
+        largest = [EIGHT_B.max_num_batched_tokens]
+        half = check_model(
+            "8b bf16", spec, jnp.bfloat16, EIGHT_B, target, largest, "auto", 0.5, True
+        )
+        report["sizing_half"] = half
+        report["unlimited_forward"] = check_unlimited_forward(spec, EIGHT_B, target)
+        # Capped by max_num_seqs x max_model_len: the estimated reserve sizes it as well.
+        loaded = model_on(spec, jnp.bfloat16, target.devices())
         size, _, _ = kv_cache_for(loaded, THROUGHPUT_8B, target)
         report["throughput_8b_kv"] = dict(num_blocks=size.num_blocks, kv_tokens=size.num_tokens)
     for i, (arch, spec) in enumerate(tiny_specs(args.tiny).items() if "tiny" in sections else ()):
@@ -124,6 +137,16 @@ def summary(report: dict[str, Any]) -> str:
             f"= {_mib(mem['peak_bytes'])} of {_mib(limit)}"
         )
         lines.append(f"  GPU KV cache size: {mem['kv_tokens']} tokens (8b, one H200)")
+    for key in ("sizing_half", "unlimited_forward"):
+        if key in report:
+            warnings = report[key]["scheduler_warnings"]
+            lines.append(f"  {key}: {len(warnings)} XLA scheduler warnings {warnings[:1]}")
+    if "sizing_half" in report:
+        mem = report["sizing_half"]["memory"]
+        lines.append(
+            f"  memory 8b at 0.5: peak {_mib(mem['peak_bytes'])} of {_mib(mem['limit_bytes'])}, "
+            f"{mem['kv_tokens']} KV tokens"
+        )
     for t in report["tensor_parallel"]:
         lines.append(
             f"  tp={t['tp']} ({t['topology']}, {t['processes']} processes): "

@@ -32,14 +32,38 @@ def test_an_8b_block_is_two_mib_and_splits_over_tp():
 
 def test_blocks_fill_the_budget_up_to_what_sequences_can_use():
     block = 1 << 20
-    budget = memory.gpu_budget(100 * block, 20 * block, 0.5, 10 * block)
-    assert budget == 20 * block
+    budget = memory.gpu_budget(100 * block, 20 * block, 0.5, 10 * block).kv_bytes
+    assert budget == 20 * block  # 0.5 x 100 - 20 in use - 10 reserve
     size = memory.kv_cache_size(budget, block, 16, max_num_seqs=4, max_model_len=1024)
-    assert size == memory.KVCacheSize(21, 16, block)  # 20 + the null block
-    assert size.num_tokens == 320
+    assert size == memory.KVCacheSize(20, 16, block)  # the null block within the budget
+    assert size.num_tokens == 19 * 16
     capped = memory.kv_cache_size(budget, block, 16, max_num_seqs=1, max_model_len=64)
     assert capped.num_blocks == 4 + 1
     assert memory.kv_cache_size(-budget, block, 16, 4, 1024).num_blocks == 1
+
+
+def test_the_budget_is_of_the_whole_device_within_the_allocators_cap():
+    """vLLM's rule: utilization of the device's total, less what is in use and the
+    reserve; an allocator set by someone else (or short of memory) lowers the limit."""
+    gib = memory.GIB
+    b = memory.gpu_budget(140 * gib, 16 * gib, 0.9, 3 * gib)
+    assert (b.limit, b.kv_bytes) == (int(140 * gib * 0.9), int(140 * gib * 0.9) - 19 * gib)
+    capped = memory.gpu_budget(140 * gib, 16 * gib, 0.9, 3 * gib, allocator_cap=105 * gib)
+    assert capped.limit == 105 * gib and capped.kv_bytes == 86 * gib
+    assert memory.gpu_budget(140 * gib, 16 * gib, 0.1, 3 * gib).kv_bytes < 0
+
+
+def test_the_start_up_line_names_every_figure():
+    gib = memory.GIB
+    budget = memory.gpu_budget(140 * gib, 17 * gib, 0.9, 3 * gib)
+    size = memory.kv_cache_size(budget.kv_bytes, 2 << 20, 16, 256, 8192)
+    line = memory.startup_line(budget, 16 * gib, size, "measured")
+    assert line == (
+        "Device memory: total 140.00 GiB, gpu_memory_utilization 0.90 -> limit 126.00 GiB; "
+        "weights 16.00 GiB (other arrays 1.00 GiB); step reserve 3.00 GiB (measured); "
+        "KV cache 106.00 GiB (54272 blocks of 16, one the null block) = 868,336 tokens"
+    )
+    assert size.num_tokens == 54271 * 16  # 106 GiB of 2 MiB blocks, one the null block
 
 
 def test_reserve_is_four_float32_logits_arrays():
