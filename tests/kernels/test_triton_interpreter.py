@@ -276,11 +276,11 @@ def compile_for_hopper() -> None:
         params = ta.kernel_params(cfg, (t, hq, d), (64, bs, hkv, d), (s, 32), d**-0.5, None, dtype)
         ty = types[dtype]
         out = "*fp32" if cfg.num_splits > 1 else f"*{ty}"
-        pointers = [f"*{ty}"] * 3 + ["*i32"] * 3 + [out, "*fp32"]
+        pointers = [f"*{ty}"] * 3 + ["*i32"] * 3 + ["*fp32", out, "*fp32"]
         build(ta.paged_attention_kernel, pointers, params, cfg.num_warps, cfg.num_stages)
         if cfg.num_splits > 1:
             merge = ta.merge_params(cfg, (t, hq, d))
-            build(ta.merge_splits_kernel, ["*fp32", "*fp32", f"*{ty}"], merge, 4, 1)
+            build(ta.merge_splits_kernel, ["*fp32", "*fp32", "*fp32", f"*{ty}"], merge, 4, 1)
 
 
 def test_kernels_compile_for_hopper() -> None:
