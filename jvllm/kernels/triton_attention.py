@@ -94,7 +94,9 @@ def launch_config(
         affordable = SPLIT_SCRATCH_BYTES // (num_tokens * num_heads * head_dim * 4)
         num_splits = max(1, min(_next_pow2(wanted), MAX_SPLITS, affordable))
     num_stages = 3 if itemsize <= 2 else 2
-    return LaunchConfig(block_m, block_q, tile_n, num_splits, 4, num_stages)
+    # A 256-wide head (Gemma) keeps a [BLOCK_M, 256] fp32 accumulator: 4 warps spill it.
+    num_warps = 8 if head_dim >= 256 else 4
+    return LaunchConfig(block_m, block_q, tile_n, num_splits, num_warps, num_stages)
 
 
 def attention_grid(

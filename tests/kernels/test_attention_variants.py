@@ -5,10 +5,11 @@ A dense softmax written here (float64 numpy, one query at a time over its sequen
 gathered keys) is checked against Transformers' own eager attention of Gemma 2 (soft
 cap, scale, window) and gpt-oss (sinks, window); the jax.numpy reference is checked
 against that dense softmax; the C++ CPU kernel and the Triton kernel (under Triton's
-interpreter on a CPU) against the reference. Every batch is ragged: decode rows, a
-prefill chunk after a cached prefix, a whole prompt, padding tokens and a padding row;
-GQA (8 query heads over 2 KV heads), block size 16, shuffled blocks. The kernels read a
-cache whose unowned slots hold NaN (a read past a table or a position shows up).
+interpreter on a CPU, compiled inside jax.jit where a GPU is lent) against the
+reference. Every batch is ragged: decode rows, a prefill chunk after a cached prefix, a
+whole prompt, padding tokens and a padding row; GQA (8 query heads over 2 KV heads),
+block size 16, shuffled blocks. The kernels read a cache whose unowned slots hold NaN
+(a read past a table or a position shows up).
 Errors are relative Frobenius norms over real tokens: float32 within 1e-5 (sums in
 another order; a tanh written with exp in the Triton kernel), bfloat16 within 1.5e-2.
 """
@@ -300,6 +301,21 @@ def test_jax_triton_wrapper_passes_the_options(splits: int, monkeypatch: pytest.
         sinks=jnp.asarray(b.sinks),
     )
     assert rel_error(np.asarray(got)[: b.real], want) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU and a CUDA jaxlib")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_jax_triton_on_a_gpu_matches_reference(variant: Variant, dtype: str):
+    """The compiled kernels inside jax.jit (bench/gpu_check.sh runs `-m gpu`)."""
+    from jvllm.kernels import jax_triton_attention
+
+    b = make_batch(zlib.crc32(variant.name.encode()) + 3, dtype)
+    want = run_jax(reference.paged_attention, b, variant, clean=True)[: b.real]
+    got = run_jax(jax_triton_attention.paged_attention, b, variant, dtype)
+    assert np.isfinite(got).all()
+    assert rel_error(got[: b.real], want) <= LIMITS[dtype]
 
 
 def test_layer_threads_the_options_to_each_backend():
