@@ -131,13 +131,27 @@ def _factors(params: dict[str, Any], name: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def rope_from_config(cfg: dict[str, Any]) -> RopeSpec:
-    """The rope parameters of a parsed config.json (any of ROPE_TYPES), filled in and
-    checked the way Transformers' `standardize_rope_params` and its rope functions do."""
+def _rope_parameters(cfg: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """The flat rope dict of `layer_type`'s layers. Configs with per-layer-type rope
+    (Gemma 3) nest one dict per type under `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
-    # transformers < 5 keeps the scaling dict and the base apart.
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if not nested:
+        # transformers < 5 keeps the scaling dict and the base apart.
+        return {**(cfg.get("rope_scaling") or {}), **params}
+    if layer_type not in nested:
+        raise ValueError(
+            f"config.json: rope_parameters are given per layer type {nested}; "
+            f"got layer_type={layer_type!r}"
+        )
+    return dict(params[layer_type])
+
+
+def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None) -> RopeSpec:
+    """The rope parameters of a parsed config.json (any of ROPE_TYPES), filled in and
+    checked the way Transformers' `standardize_rope_params` and its rope functions do;
+    layer_type ("full_attention", "sliding_attention") picks a per-layer-type entry."""
+    params = _rope_parameters(cfg, layer_type)
     theta = float(params.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:

@@ -275,3 +275,28 @@ def test_legacy_rope_scaling_spelling_and_defaults():
         10000.0,
         300,
     )
+
+
+def test_per_layer_type_rope_parameters():
+    """Gemma 3 nests one rope dict per layer type: each equals Transformers' for its type."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        head_dim=HEAD_DIM,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    cfg = config.to_dict()
+    for layer_type, theta in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        rope = rope_from_config(cfg, layer_type)
+        assert rope.theta == theta
+        fn = ROPE_INIT_FUNCTIONS.get(rope.rope_type)
+        if fn is None:  # "default" has no entry: the module computes it itself
+            want = 1.0 / theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM)
+        else:
+            want = fn(config, "cpu", layer_type=layer_type)[0].numpy()
+        np.testing.assert_allclose(rotary.inverse_frequencies(rope, HEAD_DIM), want, rtol=2e-6)
+    with pytest.raises(ValueError, match=r"per layer type \['full_attention', 'sliding"):
+        rope_from_config(cfg)
