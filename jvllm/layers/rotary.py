@@ -74,17 +74,16 @@ def _llama3_scale(inv: np.ndarray, rope: RopeSpec) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-def _ntk_base(rope: RopeSpec, head_dim: int, seq_len):  # float, or float32 array [T]
-    """Dynamic NTK's base for sequences of `seq_len` tokens (no change up to
-    max_position_embeddings); numpy floats or a jax array alike."""
-    max_len = rope.max_position_embeddings
-    length = np.maximum(seq_len, max_len) if isinstance(seq_len, int) else seq_len
-    growth = rope.factor * length / max_len - (rope.factor - 1)
+def _ntk_base(rope: RopeSpec, head_dim: int, length):  # float, or float32 array [T]
+    """Dynamic NTK's base for sequences of `length` >= max_position_embeddings tokens;
+    a Python number or a jax array alike."""
+    growth = rope.factor * length / rope.max_position_embeddings - (rope.factor - 1)
     return rope.theta * growth ** (head_dim / (head_dim - 2))
 
 
 def _dynamic_ntk(rope: RopeSpec, head_dim: int, seq_len: int) -> np.ndarray:
-    base = np.float32(_ntk_base(rope, head_dim, seq_len))
+    length = max(int(seq_len), rope.max_position_embeddings)  # no change up to it
+    base = np.float32(_ntk_base(rope, head_dim, length))
     return np.float32(1.0) / base ** _exponents(head_dim)
 
 

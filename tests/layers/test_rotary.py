@@ -196,6 +196,12 @@ def test_dynamic_and_longrope_take_each_tokens_own_length():
                 np.asarray(cos[row]), np.cos(angles) * scaling, atol=2e-5, err_msg=rope.rope_type
             )
         assert not np.allclose(np.asarray(cos[0]), np.asarray(cos[1]))
+        # numpy integers (a length read from an array) are lengths like any other
+        for seq_len in (20, 201):
+            np.testing.assert_array_equal(
+                rotary.inverse_frequencies(rope, HEAD_DIM, np.int32(seq_len)),
+                rotary.inverse_frequencies(rope, HEAD_DIM, seq_len),
+            )
         with pytest.raises(ValueError, match="rope_lens"):
             rotary.rope_cos_sin(rope, HEAD_DIM, positions, jnp.float32)
 
