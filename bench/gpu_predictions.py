@@ -52,6 +52,7 @@ def measure_attention(num_tokens: int, num_seqs: int, width: int) -> dict[str, A
         cache,
         cache,
         *meta,
+        lse,  # the sinks pointer, unread without sinks
         out,
         lse,
         grid=ta.attention_grid(cfg, num_tokens, num_seqs, NUM_KV_HEADS),

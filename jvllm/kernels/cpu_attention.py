@@ -107,13 +107,28 @@ def paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     scale: float,
     sliding_window: int | None = None,
+    *,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]
 ) -> jax.Array:  # [T, Hq, D]
     """`reference.paged_attention`, computed by the C++ kernel."""
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            sliding_window,
+            soft_cap=soft_cap,
+            sinks=sinks,
         )
     register()
+    num_heads = q.shape[1]
+    # -inf is no sink: the kernel then starts each row's softmax empty.
+    sinks = jnp.full((num_heads,), -jnp.inf, jnp.float32) if sinks is None else sinks
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q,
         k_cache,
@@ -121,6 +136,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        sinks.astype(jnp.float32).reshape(num_heads),
         scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0),
     )

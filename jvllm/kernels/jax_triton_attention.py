@@ -40,6 +40,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]
     num_splits: int | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -84,8 +86,12 @@ def paged_attention(
         scale,
         sliding_window,
         jnp.dtype(q.dtype).name,
+        soft_cap=soft_cap,
+        has_sinks=sinks is not None,
     )
     metadata = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start_loc)]
+    # Without sinks the kernels never read the pointer; one fp32 stands in.
+    sinks_arg = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     split = cfg.num_splits > 1
     target = compute_capability()
     part_out, part_lse = ta.partial_shapes(cfg, q.shape)
@@ -98,6 +104,7 @@ def paged_attention(
         k_cache,
         v_cache,
         *metadata,
+        sinks_arg,
         kernel=ta.paged_attention_kernel,
         out_shape=out_shapes,
         grid=ta.attention_grid(cfg, num_tokens, num_seqs, num_kv_heads),
@@ -111,10 +118,11 @@ def paged_attention(
     return jt.triton_call(
         out,
         lse,
+        sinks_arg,
         kernel=ta.merge_splits_kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=ta.merge_grid(num_tokens, num_heads),
         num_warps=cfg.num_warps,
         compute_capability=target,
-        **ta.merge_params(cfg, q.shape),
+        **ta.merge_params(cfg, q.shape, has_sinks=sinks is not None),
     )

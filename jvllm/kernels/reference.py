@@ -14,6 +14,13 @@ The new tokens of sequence s are its last `q_len` positions, so query i sits at
 position `seq_lens[s] - q_len + i` and attends to keys at positions <= its own
 (and, with a sliding window, > position - window). Tokens past
 `query_start_loc[-1]` are padding: their output is finite and unused.
+
+Two optional variants change the softmax, in every backend alike:
+- `soft_cap` (Gemma 2): each logit `scale * q.k` becomes `cap * tanh(logit / cap)`
+  before masking;
+- `sinks` `[Hq]` (gpt-oss): one learned logit per query head joins the softmax's
+  denominator only (`exp(sink)` is added to the sum; it has no value row).
+A custom softmax scale (Gemma's `query_pre_attn_scalar ** -0.5`) is just `scale`.
 """
 
 from __future__ import annotations
@@ -90,6 +97,9 @@ def paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     scale: float,
     sliding_window: int | None = None,
+    *,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]
 ) -> jax.Array:  # [T, Hq, D]
     """Flash-style: per item, an online softmax over key chunks of the item's own
     sequence, so the work follows each sequence's real length, not the table width.
@@ -122,6 +132,8 @@ def paged_attention(
                 if sliding_window is not None:
                     mask &= key_pos[None, :] > pos[:, None] - sliding_window
                 scores = jnp.einsum("qkgd,ckd->kgqc", qi, k)
+                if soft_cap:
+                    scores = soft_cap * jnp.tanh(scores / soft_cap)
                 scores = jnp.where(mask, scores, MASK_VALUE)
                 m_new = jnp.maximum(m, scores.max(-1))
                 p = jnp.exp(scores - m_new[..., None])
@@ -136,6 +148,9 @@ def paged_attention(
                 jnp.zeros(shape, jnp.float32),
                 jnp.zeros((*shape, head_dim), jnp.float32),
             )
+            if sinks is not None:  # the sink starts the running max, with weight exp(0)
+                sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+                init = (jnp.broadcast_to(sink, shape), jnp.ones(shape, jnp.float32), init[2])
             num_chunks = jnp.where(valid, (seq_lens[s] + chunk - 1) // chunk, 0)
             _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
             out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [Hkv, G, Qt, D]

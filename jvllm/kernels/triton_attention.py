@@ -16,6 +16,11 @@ sequences), each split writes a partial result and its log-sum-exp, and a second
 merges them. The padding tail of the token axis (past `query_start_loc[-1]`) is treated
 as one more sequence with no keys, so its output is written as zeros.
 
+Variants (constexpr, so a plain launch compiles to the same program as before):
+SOFT_CAP > 0 caps each scaled logit at `cap * tanh(logit / cap)` (Gemma 2); HAS_SINKS
+adds each query head's sink logit to the softmax denominator (gpt-oss), in the attention
+kernel when there is one split, else once in the merge.
+
 GPU-only constraints the interpreter does not check, encoded here:
 - `tl.dot` on 16-bit inputs needs a reduction dimension >= 16 (the GPU build rejects
   less; Triton 3.6+ pads small M and N itself, older releases needed them >= 16 too):
@@ -89,7 +94,9 @@ def launch_config(
         affordable = SPLIT_SCRATCH_BYTES // (num_tokens * num_heads * head_dim * 4)
         num_splits = max(1, min(_next_pow2(wanted), MAX_SPLITS, affordable))
     num_stages = 3 if itemsize <= 2 else 2
-    return LaunchConfig(block_m, block_q, tile_n, num_splits, 4, num_stages)
+    # A 256-wide head (Gemma) keeps a [BLOCK_M, 256] fp32 accumulator: 4 warps spill it.
+    num_warps = 8 if head_dim >= 256 else 4
+    return LaunchConfig(block_m, block_q, tile_n, num_splits, num_warps, num_stages)
 
 
 def attention_grid(
@@ -115,6 +122,8 @@ def kernel_params(
     sliding_window: int | None,
     dtype_name: str,
     interpret: bool = False,
+    soft_cap: float | None = None,
+    has_sinks: bool = False,
 ) -> dict[str, Any]:
     """The attention kernel's constexpr arguments (shapes are static under jit anyway)."""
     num_tokens, num_heads, head_dim = q_shape
@@ -122,6 +131,8 @@ def kernel_params(
     num_seqs, max_blocks = block_tables_shape
     return dict(
         SCALE=float(scale),
+        SOFT_CAP=float(soft_cap or 0.0),
+        HAS_SINKS=bool(has_sinks),
         SLIDING_WINDOW=int(sliding_window or 0),
         NUM_TOKENS=num_tokens,
         NUM_SEQS=num_seqs,
@@ -141,9 +152,12 @@ def kernel_params(
     )
 
 
-def merge_params(cfg: LaunchConfig, q_shape: tuple[int, int, int]) -> dict[str, Any]:
+def merge_params(
+    cfg: LaunchConfig, q_shape: tuple[int, int, int], has_sinks: bool = False
+) -> dict[str, Any]:
     num_tokens, num_heads, head_dim = q_shape
     return dict(
+        HAS_SINKS=bool(has_sinks),
         NUM_TOKENS=num_tokens,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
@@ -225,6 +239,14 @@ def _key_tiles(
 
 
 @triton.jit
+def _soft_cap(x, CAP: tl.constexpr):
+    """CAP * tanh(x / CAP), with tanh(t) = 1 - 2 / (exp(2t) + 1) (exact at both ends:
+    exp2 overflows to inf or underflows to 0)."""
+    e = tl.exp2(x * (2.0 * _LOG2E / CAP))
+    return CAP * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
 def _online_softmax(
     scores, v, m, denom, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr
 ):
@@ -249,9 +271,12 @@ def paged_attention_kernel(
     block_tables_ptr,  # [S, W] int32
     seq_lens_ptr,  # [S] int32
     query_start_loc_ptr,  # [S + 1] int32
+    sinks_ptr,  # fp32 [Hq] sink logits; unused unless HAS_SINKS
     out_ptr,  # NUM_SPLITS == 1: [T, Hq, D] like q; else fp32 [NUM_SPLITS, T, Hq, D]
     lse_ptr,  # fp32 [NUM_SPLITS, T, Hq] base-2 log-sum-exp; unused when NUM_SPLITS == 1
     SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,  # 0: none
+    HAS_SINKS: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     NUM_TOKENS: tl.constexpr,
     NUM_SEQS: tl.constexpr,
@@ -291,6 +316,9 @@ def paged_attention_kernel(
     )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
     denom = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:  # the sink starts the max, with weight exp2(0) = 1
+        m = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * _LOG2E
+        denom = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for j in range(lo, hi):
         kv_pos = j * TILE_N + tl.arange(0, TILE_N)
@@ -304,7 +332,11 @@ def paged_attention_kernel(
         # An fp8 cache is cast up to the query's dtype (a no-op for a model-dtype cache).
         k = tl.load(k_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_offs, mask=in_seq[:, None], other=0.0).to(q.dtype)
-        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * (SCALE * _LOG2E)
+        scores = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT)
+        if SOFT_CAP > 0:
+            scores = _soft_cap(scores * SCALE, SOFT_CAP) * _LOG2E
+        else:
+            scores = scores * (SCALE * _LOG2E)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if SLIDING_WINDOW > 0:
             visible &= kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
@@ -327,27 +359,36 @@ def paged_attention_kernel(
 def merge_splits_kernel(
     part_out_ptr,  # fp32 [NUM_SPLITS, T, Hq, D]
     part_lse_ptr,  # fp32 [NUM_SPLITS, T, Hq]
+    sinks_ptr,  # fp32 [Hq]; unused unless HAS_SINKS
     out_ptr,  # [T, Hq, D]
+    HAS_SINKS: tl.constexpr,
     NUM_TOKENS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    """Weights each split's normalised output by its share of the softmax mass."""
+    """Weights each split's normalised output by its share of the softmax mass (the
+    sink's share, when there is one, has no output)."""
     row = tl.program_id(0) * NUM_HEADS + tl.program_id(1)  # token * Hq + head
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     part = splits * (NUM_TOKENS * NUM_HEADS) + row
     lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty split -> 0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32) * _LOG2E
+        top = tl.maximum(top, sink)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - shift)  # empty split -> 0
     outs = tl.load(
         part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
         mask=(splits < NUM_SPLITS)[:, None],
         other=0.0,
     )
     total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - shift)
     out = tl.sum(outs * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -365,11 +406,13 @@ def launch(
     cfg: LaunchConfig,
     scale: float,
     sliding_window: int | None,
+    soft_cap: float | None = None,
+    sinks: Any = None,
 ) -> None:
     """Runs the kernels through Triton's own launcher (torch tensors, CUDA or interpreted).
 
     The caller allocates `out` like q and, for a split launch, the fp32 partials of
-    `partial_shapes` (any one-element fp32 tensor otherwise).
+    `partial_shapes` (any one-element fp32 tensor otherwise). sinks: fp32 `[Hq]` or None.
     """
     num_tokens, num_heads, _ = q.shape
     num_seqs = block_tables.shape[0]
@@ -382,10 +425,14 @@ def launch(
         sliding_window,
         str(q.dtype).removeprefix("torch."),
         interpret=not isinstance(paged_attention_kernel, triton.runtime.JITFunction),
+        soft_cap=soft_cap,
+        has_sinks=sinks is not None,
     )
+    # Without sinks the pointer is never read; any fp32 tensor stands in.
+    sinks_arg = part_lse if sinks is None else sinks
     grid = attention_grid(cfg, num_tokens, num_seqs, k_cache.shape[2])
     split = cfg.num_splits > 1
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sinks_arg)
     paged_attention_kernel[grid](
         *args,
         part_out if split else out,
@@ -395,6 +442,7 @@ def launch(
         **params,
     )
     if split:
+        merge = merge_params(cfg, tuple(q.shape), has_sinks=sinks is not None)
         merge_splits_kernel[merge_grid(num_tokens, num_heads)](
-            part_out, part_lse, out, num_warps=cfg.num_warps, **merge_params(cfg, tuple(q.shape))
+            part_out, part_lse, sinks_arg, out, num_warps=cfg.num_warps, **merge
         )

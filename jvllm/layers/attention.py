@@ -4,7 +4,9 @@ Owns `AttentionMetadata` (the per-step arrays every layer shares) and the choice
 between the reference jax.numpy attention ("reference"), the Triton kernels
 launched through jax-triton ("triton", NVIDIA GPUs only) and the C++ decode kernel
 for XLA:CPU ("cpu"). Backends receive one layer's cache and return it updated with
-this step's K/V.
+this step's K/V. Every backend takes the same per-layer options: a sliding window,
+a logit soft cap and per-head attention sinks (see `jvllm.kernels.reference`);
+docs/attention_variants.md lists them.
 """
 
 from __future__ import annotations
@@ -37,8 +39,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    *,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [Hq] float32
 ) -> tuple[jax.Array, KVCache]:
-    """Writes this step's K/V into the cache, then attends through the block tables."""
+    """Writes this step's K/V into the cache, then attends through the block tables.
+
+    scale is the softmax scale (a model's `query_pre_attn_scalar ** -0.5` included);
+    sliding_window (None: none) is this layer's; soft_cap (None: none) caps each logit
+    at `cap * tanh(logit / cap)` before masking; sinks adds one logit per query head to
+    the softmax's denominator."""
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sinks must have shape ({q.shape[1]},), one per query head, got {sinks.shape}"
+        )
     if backend == "reference":
         attend = reference.paged_attention
     elif backend == "triton":
@@ -64,5 +82,7 @@ def paged_attention(
         meta.query_start_loc,
         scale,
         sliding_window,
+        soft_cap=soft_cap,
+        sinks=sinks,
     )
     return out, (k_cache, v_cache)

@@ -12,17 +12,65 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Rope types `rope_from_config` reads and `jvllm.layers.rotary` computes.
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+# Rope types the model classes apply (dynamic and longrope need per-row lengths, yarn
+# and longrope a cos/sin scaling that they do not pass yet).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class RopeSpec:
+    """Rotary embedding parameters, with Transformers' defaults already applied."""
+
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope
+    max_position_embeddings: int = 2048  # dynamic scales past it
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 0.0  # yarn; 0: unset
+    mscale_all_dim: float = 0.0  # yarn; 0: unset
+    truncate: bool = True  # yarn
+    attention_factor: float | None = None  # yarn, longrope; None: derived from factor
+    short_factor: tuple[float, ...] = ()  # longrope, one per frequency
+    long_factor: tuple[float, ...] = ()  # longrope, one per frequency
+
+    def __post_init__(self) -> None:
+        _check_rope(self)
+
+
+def _check_rope(r: RopeSpec) -> None:
+    bad = lambda what: ValueError(f"config.json: rope {r.rope_type!r}: {what}")
+    if r.rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope scaling type {r.rope_type!r} is not supported; "
+            f"supported types are {ROPE_TYPES}"
+        )
+    if r.theta <= 0:
+        raise bad(f"rope_theta must be > 0, got {r.theta}")
+    # longrope only derives its attention factor from `factor` (1 when <= 1).
+    if r.rope_type not in ("default", "longrope") and r.factor < 1.0:
+        raise bad(f"factor must be >= 1, got {r.factor}")
+    if r.rope_type in ("llama3", "yarn", "longrope") and r.original_max_position_embeddings < 1:
+        raise bad("original_max_position_embeddings must be >= 1")
+    if r.rope_type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+        raise bad(
+            f"high_freq_factor ({r.high_freq_factor}) must be greater than "
+            f"low_freq_factor ({r.low_freq_factor})"
+        )
+    if r.rope_type == "yarn" and r.beta_fast < r.beta_slow:
+        raise bad(f"beta_fast ({r.beta_fast}) must be >= beta_slow ({r.beta_slow})")
+    if r.attention_factor is not None and r.attention_factor <= 0:
+        raise bad(f"attention_factor must be > 0, got {r.attention_factor}")
+    if r.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = getattr(r, name)
+            if not values or any(not v > 0 for v in values):
+                raise bad(f"{name} must be a non-empty list of positive numbers, got {values}")
 
 
 @dataclass(frozen=True)
@@ -76,28 +124,75 @@ def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _rope_from_config(cfg: dict[str, Any]) -> RopeSpec:
+def _factors(params: dict[str, Any], name: str) -> tuple[float, ...]:
+    values = params.get(name) or ()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"config.json: rope {name} must be a list of numbers, got {values!r}")
+    return tuple(float(v) for v in values)
+
+
+def _rope_parameters(cfg: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """The flat rope dict of `layer_type`'s layers. Configs with per-layer-type rope
+    (Gemma 3) nest one dict per type under `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
-    # transformers < 5 keeps the scaling dict and the base apart.
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if not nested:
+        # transformers < 5 keeps the scaling dict and the base apart.
+        return {**(cfg.get("rope_scaling") or {}), **params}
+    if layer_type not in nested:
+        raise ValueError(
+            f"config.json: rope_parameters are given per layer type {nested}; "
+            f"got layer_type={layer_type!r}"
+        )
+    return dict(params[layer_type])
+
+
+def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None) -> RopeSpec:
+    """The rope parameters of a parsed config.json (any of ROPE_TYPES), filled in and
+    checked the way Transformers' `standardize_rope_params` and its rope functions do;
+    layer_type ("full_attention", "sliding_attention") picks a per-layer-type entry."""
+    params = _rope_parameters(cfg, layer_type)
     theta = float(params.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"config.json: rope scaling type {rope_type!r} is not supported; "
-            f"supported types are {SUPPORTED_ROPE_TYPES}"
-        )
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("config.json: partial_rotary_factor != 1.0 is not supported")
+    max_pos = int(_get(cfg, "max_position_embeddings", 2048))
+    # Phi-3 keeps the pretraining length beside the rope parameters; it then wins.
+    original = int(_get(cfg, "original_max_position_embeddings", 0)) or int(
+        params.get("original_max_position_embeddings") or max_pos
+    )
+    factor = params.get("factor")
+    if factor is None:
+        # yarn and longrope read the extension ratio from the two lengths.
+        factor = max_pos / original if rope_type in ("yarn", "longrope") else 1.0
+    attention_factor = params.get("attention_factor")
     return RopeSpec(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        max_position_embeddings=max_pos,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        short_factor=_factors(params, "short_factor"),
+        long_factor=_factors(params, "long_factor"),
     )
+
+
+def _rope_from_config(cfg: dict[str, Any]) -> RopeSpec:
+    rope = rope_from_config(cfg)
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope scaling type {rope.rope_type!r} is not supported by the "
+            f"model classes yet; supported types are {SUPPORTED_ROPE_TYPES}"
+        )
+    return rope
 
 
 def _check_full_attention(cfg: dict[str, Any], arch: str) -> None:

@@ -7,9 +7,10 @@ device (via `jvllm.runner.aot`), with ptxas on its Triton kernels and the KV-cac
 rule against the compiled programs' memory (the step reserve measured as the engine
 measures it, XLA told the same budget as a GPU's allocator tells it, and what XLA's
 scheduler logs while compiling); one tensor-parallel forward over a topology's
-devices; and a launch configuration known to be bad. Not owned: which models and sizes
-to check, the report and the command line (jvllm.testing.deviceless_cli), the assertions
-(tests/gpu_compile). Needs the CUDA PJRT plugin and jax-triton importable.
+devices; the attention kernel alone at a model's shapes and options; and a launch
+configuration known to be bad. Not owned: which models and sizes to check, the report
+and the command line (jvllm.testing.deviceless_cli), the assertions (tests/gpu_compile).
+Needs the CUDA PJRT plugin and jax-triton importable.
 """
 
 from __future__ import annotations
@@ -415,17 +416,42 @@ def dot_operand_types(hlo: str) -> list[list[str | None]]:
     return dots
 
 
-def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, Any]]:
-    """The Triton attention alone, 64 tokens, 32/8 heads of 128, with `knobs`."""
+def check_attention(
+    model: str,
+    heads: tuple[int, int, int],  # query heads, KV heads, head dim
+    num_tokens: int,
+    num_seqs: int,
+    options: dict[str, Any],
+    target: Target,
+) -> list[dict[str, Any]]:
+    """The Triton attention alone, bf16, block size 16, 128 blocks a row, with `options`
+    (launch knobs, soft_cap, sliding_window; sinks=True passes a sinks operand)."""
     from jvllm.kernels import jax_triton_attention
 
+    num_heads, num_kv_heads, head_dim = heads
     device = jax.sharding.SingleDeviceSharding(target.devices()[0])
     arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
-    cache = arg((1024, 16, 8, 128))
-    meta = (arg((64, 128), jnp.int32), arg((64,), jnp.int32), arg((65,), jnp.int32))
-    attend = lambda q, k, v, *m: jax_triton_attention.paged_attention(q, k, v, *m, 0.1, **knobs)
+    cache = arg((1024, 16, num_kv_heads, head_dim))
+    meta = [arg((num_seqs, 128), jnp.int32), arg((num_seqs,), jnp.int32)]
+    meta.append(arg((num_seqs + 1,), jnp.int32))
+    knobs = {k: v for k, v in options.items() if k != "sinks"}
+    if options.get("sinks"):
+        meta.append(arg((num_heads,), jnp.float32))
+    scale = head_dim**-0.5
+
+    def attend(q, k, v, tables, lens, qsl, *sinks):
+        return jax_triton_attention.paged_attention(
+            q, k, v, tables, lens, qsl, scale, sinks=sinks[0] if sinks else None, **knobs
+        )
+
     start = time.perf_counter()
-    lowered = jax.jit(attend).lower(arg((64, 32, 128)), cache, cache, *meta)
-    p = CompiledProgram("attention", str(knobs), lowered, lowered.compile(), 0.0)
+    lowered = jax.jit(attend).lower(arg((num_tokens, num_heads, head_dim)), cache, cache, *meta)
+    label = f"T={num_tokens} S={num_seqs} {options}"
+    p = CompiledProgram("attention", label, lowered, lowered.compile(), 0.0)
     p = p._replace(seconds=time.perf_counter() - start)
-    return kernel_rows("bad launch", p, target)
+    return kernel_rows(model, p, target)
+
+
+def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, Any]]:
+    """The Triton attention alone, 64 tokens, 32/8 heads of 128, with `knobs`."""
+    return check_attention("bad launch", (32, 8, 128), 64, 64, knobs, target)

@@ -4,9 +4,10 @@ Owns which models, sizes and topologies are checked (an 8B-shaped Llama in bf16 
 H200, its KV cache sized at gpu_memory_utilization 0.9 and 0.5 with the measured step
 reserve, and one forward compiled without XLA being told the budget, whose scheduler
 warning shows what the others avoid; the tiny checkpoints of every architecture in bf16
-and f32; TP=2/4/8 in one process and TP=2 over two; the bad launches), the JSON report,
-its printed summary and the predictions that bench/gpu_check.sh prints beside a real
-GPU's figures. The checks themselves are jvllm.testing.deviceless. Run it from the
+and f32; TP=2/4/8 in one process and TP=2 over two; the bad launches; the attention
+kernel with Gemma 2's soft cap and gpt-oss's sinks at those models' shapes), the JSON
+report, its printed summary and the predictions that bench/gpu_check.sh prints beside a
+real GPU's figures. The checks themselves are jvllm.testing.deviceless. Run it from the
 repository root (the 8B shapes are bench.common's preset) in its own process, with
 JAX_PLATFORMS=cpu, the CUDA PJRT plugin and jax-triton importable and
 JVLLM_TRITON_COMPUTE_CAPABILITY set (process-wide):
@@ -36,6 +37,7 @@ from jvllm.testing.deviceless import (
     TINY,
     UTILIZATION,
     Target,
+    check_attention,
     check_bad_launch,
     check_fp8_matmul,
     check_model,
@@ -56,14 +58,28 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
     return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
 
 
-SECTIONS = ("8b", "tiny", "tp", "bad")
+SECTIONS = ("8b", "tiny", "tp", "bad", "variants")
+
+# Attention of other models' shapes, the Triton kernel alone at their per-layer options:
+# (query heads, KV heads, head dim) and the options of their layers.
+ATTENTION_VARIANTS = {
+    "gemma-2-9b plain": ((16, 8, 256), {}),  # the same shapes without the variants
+    "gemma-2-9b local": ((16, 8, 256), dict(soft_cap=50.0, sliding_window=4096)),
+    "gemma-2-9b global": ((16, 8, 256), dict(soft_cap=50.0)),
+    "gpt-oss-20b plain": ((64, 8, 64), {}),
+    "gpt-oss-20b sliding": ((64, 8, 64), dict(sinks=True, sliding_window=128)),
+    "gpt-oss-20b full": ((64, 8, 64), dict(sinks=True)),
+}
+# (tokens, sequences): a decode step (split key ranges, the merge kernel) and a prefill.
+ATTENTION_BUCKETS = ((64, 64), (2048, 16))
+
 # The TP programs keep the 8B shapes but 4 of its 32 layers: every layer compiles to the
 # same program, and compile time grows with the layer count.
 TP_LAYERS = 4
 
 
 def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = dict(models=[], tensor_parallel=[], bad_launches={})
+    report: dict[str, Any] = dict(models=[], tensor_parallel=[], bad_launches={}, variants=[])
     start = time.perf_counter()
     if "8b" in sections:
         spec = eight_b_spec()
@@ -101,6 +117,9 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         )
     for name, knobs in BAD_LAUNCHES.items() if "bad" in sections else ():
         report["bad_launches"][name] = check_bad_launch(knobs, target)
+    for name, (heads, options) in ATTENTION_VARIANTS.items() if "variants" in sections else ():
+        for tokens, seqs in ATTENTION_BUCKETS:
+            report["variants"] += check_attention(name, heads, tokens, seqs, options, target)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
@@ -119,7 +138,8 @@ def summary(report: dict[str, Any]) -> str:
                 f"  {m['model']:14} {p['program']:12} {p['label'][:58]:58} {p['seconds']:5.1f} s"
                 f"  temp {_mib(p['temp_bytes'])}"
             )
-    for m in report["models"] + report["tensor_parallel"]:
+    variants = [dict(model="variants", kernels=report.get("variants", []))]
+    for m in report["models"] + report["tensor_parallel"] + variants:
         for k in m["kernels"]:
             lines.append(
                 f"  ptxas {k['model']:14} {k['label'][:48]:48} {k['kernel_name']:22} "

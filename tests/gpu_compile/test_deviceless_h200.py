@@ -208,7 +208,8 @@ def test_tensor_parallel_attention_runs_on_each_devices_heads(report):
     assert tps == [(2, 1), (4, 1), (8, 1), (2, 2)]
     for t in report["tensor_parallel"]:
         assert t["manual_computations"] == t["num_layers"] + 1, t["tp"]
-        attention = [ops for ops in t["triton_operands"] if len(ops) == 6]
+        # q, the K and V caches, 3 metadata arrays, the sinks (f32[1] when unused).
+        attention = [ops for ops in t["triton_operands"] if len(ops) == 7]
         assert len(attention) == t["num_layers"], t["tp"]
         for q, k_cache, v_cache, *_ in attention:
             assert (q, k_cache, v_cache) == (t["expected_q"], *[t["expected_cache"]] * 2)
@@ -227,3 +228,27 @@ def test_fp8_w8a8_projections_multiply_in_float8(report):
     float8 = [d for d in fp8["dots"] if d == ["f8e4m3fn", "f8e4m3fn"]]
     assert len(float8) >= 4 * fp8["num_layers"], fp8["dots"]
     assert all(d in (["f8e4m3fn", "f8e4m3fn"], ["f32", "f32"]) for d in fp8["dots"]), fp8
+
+
+def test_attention_variants_compile_without_spills(tmp_path):
+    """The Triton attention alone with Gemma 2's soft cap (16/8 heads of 256, local and
+    global layers) and gpt-oss's sinks (64/8 heads of 64, sliding and full layers), at a
+    decode step (split key ranges: sinks in the merge) and a prefill, in its own process
+    (seconds): ptxas reports no spill and shared memory under the limit; the sinks are
+    the attention's seventh operand and the merge's third."""
+    site, how = deviceless_site()
+    if site is None:
+        pytest.skip(how)
+    out = tmp_path / "variants.json"
+    rc = _start(site, ("variants",), [], out).wait(timeout=TIMEOUT_S)
+    assert rc == 0, out.with_suffix(".log").read_text()[-4000:]
+    from jvllm.testing.deviceless_cli import ATTENTION_BUCKETS, ATTENTION_VARIANTS
+
+    kernels = json.loads(out.read_text())["variants"]
+    attention = [k for k in kernels if k["kernel_name"] == "paged_attention_kernel"]
+    assert len(attention) == len(ATTENTION_VARIANTS) * len(ATTENTION_BUCKETS)
+    assert any(k["kernel_name"] == "merge_splits_kernel" for k in kernels)
+    assert [(k["model"], k["label"], k["problems"]) for k in kernels if k["problems"]] == []
+    assert all(0 < k["registers"] <= 255 and k["spill_bytes"] == 0 for k in kernels)
+    sinks = [k for k in attention if "'sinks': True" in k["label"]]
+    assert sinks and all(k["operands"][6] == "f32[64]" for k in sinks)

@@ -245,12 +245,15 @@ def test_unsupported_head_dim_is_refused(head_dim: int) -> None:
 
 
 # Launch configurations whose GPU build is checked without a GPU: (T, S, Hq, Hkv, D, BS,
-# dtype, splits). tl.dot's 16-row minimum and the shared memory per stage only show there.
+# dtype, splits, variant options). tl.dot's 16-row minimum and the shared memory per stage
+# only show there.
 HOPPER_BUILDS = [
-    (256, 256, 32, 8, 128, 16, "bfloat16", None),  # decode, the goal shape
-    (64, 64, 32, 8, 128, 16, "bfloat16", 4),  # split decode and the merge kernel
-    (2048, 64, 32, 8, 128, 16, "bfloat16", None),  # prefill tiles
-    (128, 8, 4, 2, 16, 16, "float32", None),  # the tiny test model in float32
+    (256, 256, 32, 8, 128, 16, "bfloat16", None, {}),  # decode, the goal shape
+    (64, 64, 32, 8, 128, 16, "bfloat16", 4, {}),  # split decode and the merge kernel
+    (2048, 64, 32, 8, 128, 16, "bfloat16", None, {}),  # prefill tiles
+    (128, 8, 4, 2, 16, 16, "float32", None, {}),  # the tiny test model in float32
+    (2048, 16, 16, 8, 256, 16, "bfloat16", None, dict(soft_cap=50.0)),  # Gemma 2 prefill
+    (64, 64, 64, 8, 64, 16, "bfloat16", 4, dict(has_sinks=True)),  # gpt-oss decode, merge
 ]
 
 
@@ -271,16 +274,17 @@ def compile_for_hopper() -> None:
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
-    for t, s, hq, hkv, d, bs, dtype, splits in HOPPER_BUILDS:
+    for t, s, hq, hkv, d, bs, dtype, splits, options in HOPPER_BUILDS:
         cfg = ta.launch_config(t, s, hq, hkv, d, 4 if dtype == "float32" else 2, splits)
-        params = ta.kernel_params(cfg, (t, hq, d), (64, bs, hkv, d), (s, 32), d**-0.5, None, dtype)
+        shapes = (cfg, (t, hq, d), (64, bs, hkv, d), (s, 32), d**-0.5, None, dtype)
+        params = ta.kernel_params(*shapes, **options)
         ty = types[dtype]
         out = "*fp32" if cfg.num_splits > 1 else f"*{ty}"
-        pointers = [f"*{ty}"] * 3 + ["*i32"] * 3 + [out, "*fp32"]
+        pointers = [f"*{ty}"] * 3 + ["*i32"] * 3 + ["*fp32", out, "*fp32"]
         build(ta.paged_attention_kernel, pointers, params, cfg.num_warps, cfg.num_stages)
         if cfg.num_splits > 1:
-            merge = ta.merge_params(cfg, (t, hq, d))
-            build(ta.merge_splits_kernel, ["*fp32", "*fp32", f"*{ty}"], merge, 4, 1)
+            merge = ta.merge_params(cfg, (t, hq, d), options.get("has_sinks", False))
+            build(ta.merge_splits_kernel, ["*fp32", "*fp32", "*fp32", f"*{ty}"], merge, 4, 1)
 
 
 def test_kernels_compile_for_hopper() -> None:

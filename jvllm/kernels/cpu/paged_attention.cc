@@ -5,7 +5,9 @@
 // positions, and each attends causally (and within the sliding window) to the keys of
 // its sequence, read in place through its block table: no gathered copy of K or V,
 // which is what bounds the jax.numpy reference on a CPU. Padding rows are zero. K/V
-// and q are float32 or bfloat16; accumulation is float32.
+// and q are float32 or bfloat16; accumulation is float32. Optionally each logit is
+// soft-capped (`cap * tanh(logit / cap)`, Gemma 2) before masking, and each query head's
+// sink logit (gpt-oss; -inf for none) joins the softmax denominator only.
 //
 // Work items are tiles of a few consecutive queries of one sequence and one KV head:
 // an item reads each key once for all its queries and the query heads of its GQA
@@ -87,6 +89,19 @@ struct Shapes {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
+// What every item shares besides the shapes: the softmax scale, the soft cap (0: none),
+// the sliding window (0: none) and the per-query-head sink logits [Hq].
+struct Options {
+  float scale, soft_cap;
+  int64_t window;
+  const float* sinks;
+};
+
+// A logit after the optional soft cap.
+inline float Cap(float logit, float soft_cap) {
+  return soft_cap > 0.0f ? soft_cap * std::tanh(logit / soft_cap) : logit;
+}
+
 // An item's working rows, one per (query, head) it computes, in per-thread scratch on
 // the heap (XLA's worker threads may have small stacks): each row's scaled query, its
 // output accumulator, running max and sum, and its scores over one block.
@@ -110,13 +125,14 @@ inline Rows ThreadRows() {
               s + kRows * (2 * kMaxHeadDim + 2 + 64)};
 }
 
-// Row r starts on query `src` (d values), scaled, with nothing accumulated.
+// Row r starts on query `src` (d values), scaled, with nothing accumulated but its
+// head's sink: the running max starts at the sink logit, whose weight is exp(0) = 1.
 template <typename T>
-inline void StartRow(Rows& w, int64_t r, const T* src, int64_t d, float scale) {
+inline void StartRow(Rows& w, int64_t r, const T* src, int64_t d, float scale, float sink) {
   for (int64_t x = 0; x < d; ++x) w.qv[r][x] = ToFloat(src[x]) * scale;
   std::fill(w.acc[r], w.acc[r] + d, 0.0f);
-  w.m[r] = -INFINITY;
-  w.l[r] = 0.0f;
+  w.m[r] = sink;
+  w.l[r] = sink == -INFINITY ? 0.0f : 1.0f;
 }
 
 // Folds row r's scores of keys [lo, hi) of one block into its online softmax: keys it
@@ -152,7 +168,8 @@ inline void FinishRow(const Rows& w, int64_t r, int64_t d, T* dst) {
 template <int kDim, typename T>
 void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
                 const int32_t* table, int64_t first_token, int64_t first_pos, int64_t num_q,
-                int64_t kv_head, float scale, int64_t window, T* out) {
+                int64_t kv_head, const Options& opt, T* out) {
+  const int64_t window = opt.window;
   const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
   const int64_t rows = num_q * g_count;  // (query, head) rows, query-major
   Rows w = ThreadRows();
@@ -160,7 +177,10 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
   auto head_offset = [&](int64_t r) {
     return ((first_token + r / g_count) * sh.num_heads + kv_head * g_count + r % g_count) * d;
   };
-  for (int64_t r = 0; r < rows; ++r) StartRow(w, r, q + head_offset(r), d, scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = kv_head * g_count + r % g_count;
+    StartRow(w, r, q + head_offset(r), d, opt.scale, opt.sinks[head]);
+  }
   const int64_t last = first_pos + num_q - 1;  // the tile's last query position
   const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t blk = first / bs; blk <= last / bs; ++blk) {
@@ -172,7 +192,7 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
       for (int64_t r = 0; r < rows; ++r) {
         float dot = 0.0f;
         for (int64_t x = 0; x < d; ++x) dot += w.qv[r][x] * kf[x];
-        w.scores[r][o] = dot;
+        w.scores[r][o] = Cap(dot, opt.soft_cap);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -199,12 +219,15 @@ void AttendTile(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
 // the cache. Every head sees the same keys, so no per-row mask is needed.
 template <int kDim, typename T>
 void AttendDecode(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
-                  const int32_t* table, int64_t token, int64_t pos, float scale,
-                  int64_t window, T* out) {
+                  const int32_t* table, int64_t token, int64_t pos, const Options& opt,
+                  T* out) {
+  const int64_t window = opt.window;
   const int64_t d = kDim > 0 ? kDim : sh.head_dim, g_count = sh.group(), bs = sh.block_size;
   const int64_t rows = sh.num_heads, row_len = sh.num_kv_heads * d;
   Rows w = ThreadRows();
-  for (int64_t r = 0; r < rows; ++r) StartRow(w, r, q + (token * rows + r) * d, d, scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    StartRow(w, r, q + (token * rows + r) * d, d, opt.scale, opt.sinks[r]);
+  }
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   for (int64_t blk = first / bs; blk <= pos / bs; ++blk) {
     const int64_t lo = std::max(first, blk * bs) - blk * bs;
@@ -224,7 +247,7 @@ void AttendDecode(const Shapes& sh, const T* q, const T* k_cache, const T* v_cac
         const float* kf = krow + (r / g_count) * d;
         float dot = 0.0f;
         for (int64_t x = 0; x < d; ++x) dot += w.qv[r][x] * kf[x];
-        w.scores[r][o] = dot;
+        w.scores[r][o] = Cap(dot, opt.soft_cap);
       }
     }
     for (int64_t r = 0; r < rows; ++r) SoftmaxBlock(w, r, d, lo, hi, lo, hi);
@@ -246,20 +269,19 @@ struct Item {
 
 template <int kDim, typename T>
 void AttendItem(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
-                const int32_t* table, const Item& it, float scale, int64_t window, T* out) {
+                const int32_t* table, const Item& it, const Options& opt, T* out) {
   if (it.kv_head < 0) {
-    AttendDecode<kDim>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, scale,
-                       window, out);
+    AttendDecode<kDim>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, opt, out);
   } else {
     AttendTile<kDim>(sh, q, k_cache, v_cache, table, it.first_token, it.first_pos, it.num_q,
-                     it.kv_head, scale, window, out);
+                     it.kv_head, opt, out);
   }
 }
 
 template <typename T>
 void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
-            const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl, float scale,
-            int64_t window, T* out) {
+            const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
+            const Options& opt, T* out) {
   std::memset(out, 0, sizeof(T) * sh.num_tokens * sh.num_heads * sh.head_dim);
   std::vector<Item> items;
   int64_t pairs = 0;  // (query, key) pairs, a measure of the step's work
@@ -289,11 +311,11 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
       const Item& it = items[k];
       const int32_t* table = tables + it.seq * sh.width;
       if (sh.head_dim == 64) {
-        AttendItem<64>(sh, q, k_cache, v_cache, table, it, scale, window, out);
+        AttendItem<64>(sh, q, k_cache, v_cache, table, it, opt, out);
       } else if (sh.head_dim == 128) {
-        AttendItem<128>(sh, q, k_cache, v_cache, table, it, scale, window, out);
+        AttendItem<128>(sh, q, k_cache, v_cache, table, it, opt, out);
       } else {
-        AttendItem<0>(sh, q, k_cache, v_cache, table, it, scale, window, out);
+        AttendItem<0>(sh, q, k_cache, v_cache, table, it, opt, out);
       }
     }
   };
@@ -311,8 +333,8 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
 
 ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                           ffi::Buffer<ffi::S32> query_start_loc,
-                           ffi::Result<ffi::AnyBuffer> out, float scale,
+                           ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
+                           ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                            int64_t sliding_window) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
@@ -323,19 +345,23 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::Any
       sh.group() > kMaxGroup || kd[3] != sh.head_dim) {
     return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim, block or group size");
   }
+  if (sinks.element_count() != static_cast<size_t>(sh.num_heads)) {
+    return ffi::Error::InvalidArgument("paged_attention: sinks must hold one logit per query head");
+  }
+  const Options opt{scale, soft_cap, sliding_window, sinks.typed_data()};
   const auto* tables = block_tables.typed_data();
   const auto* lens = seq_lens.typed_data();
   const auto* qsl = query_start_loc.typed_data();
   if (q.element_type() == ffi::F32) {
     Attend(sh, static_cast<const float*>(q.untyped_data()),
            static_cast<const float*>(k_cache.untyped_data()),
-           static_cast<const float*>(v_cache.untyped_data()), tables, lens, qsl, scale,
-           sliding_window, static_cast<float*>(out->untyped_data()));
+           static_cast<const float*>(v_cache.untyped_data()), tables, lens, qsl, opt,
+           static_cast<float*>(out->untyped_data()));
   } else if (q.element_type() == ffi::BF16) {
     Attend(sh, static_cast<const uint16_t*>(q.untyped_data()),
            static_cast<const uint16_t*>(k_cache.untyped_data()),
-           static_cast<const uint16_t*>(v_cache.untyped_data()), tables, lens, qsl, scale,
-           sliding_window, static_cast<uint16_t*>(out->untyped_data()));
+           static_cast<const uint16_t*>(v_cache.untyped_data()), tables, lens, qsl, opt,
+           static_cast<uint16_t*>(out->untyped_data()));
   } else {
     return ffi::Error::InvalidArgument("paged_attention: q and the cache must be f32 or bf16");
   }
@@ -352,6 +378,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
                                   .Attr<int64_t>("sliding_window"));
