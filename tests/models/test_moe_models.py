@@ -25,13 +25,6 @@ ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="session")
-def moe_checkpoints(tmp_path_factory, tokenizer_dir):
-    """arch -> float32 checkpoint with the Hub's per-expert tensor names."""
-    root = tmp_path_factory.mktemp("moe")
-    return {a: make_moe_checkpoint(a, root / a, tokenizer_dir) for a in MOE_ARCHITECTURES}
-
-
-@pytest.fixture(scope="session")
 def moe_hf_models(moe_checkpoints):
     from transformers import AutoModelForCausalLM
 
