@@ -40,6 +40,7 @@ from jvllm.testing.deviceless import (
     kv_cache_for,
     model_on,
 )
+from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
 
 
 def eight_b_spec() -> ModelSpec:
@@ -52,7 +53,7 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
     return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
 
 
-SECTIONS = ("8b", "tiny", "tp", "bad")
+SECTIONS = ("8b", "tiny", "tp", "bad", "moe")
 # The TP programs keep the 8B shapes but 4 of its 32 layers: every layer compiles to the
 # same program, and compile time grows with the layer count.
 TP_LAYERS = 4
@@ -88,6 +89,9 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         )
     for name, knobs in BAD_LAUNCHES.items() if "bad" in sections else ():
         report["bad_launches"][name] = check_bad_launch(knobs, target)
+    if "moe" in sections:  # Qwen3-30B-A3B-shaped: 4 layers, 128 experts, top-8
+        report["moe"] = check_moe_stack(target)
+        report["moe"]["expert_parallel"] = check_moe_expert_parallel(target)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
@@ -133,6 +137,21 @@ def summary(report: dict[str, Any]) -> str:
         )
     for name, kernels in report["bad_launches"].items():
         lines.append(f"  bad launch {name}: {[k['problems'] for k in kernels]}")
+    if "moe" in report:
+        for layer in report["moe"]["sparse_layer"]:
+            lines.append(
+                f"  moe sparse layer, {layer['num_tokens']} tokens: {_mib(layer['bytes_accessed'])}"
+                f" accessed; experts {_mib(layer['expert_bytes'])}, at most "
+                f"{_mib(layer['activated_expert_bytes_max'])} activated; "
+                f"dots {layer['expert_dots']}"
+            )
+        ep = report["moe"]["expert_parallel"]
+        lines.append(
+            f"  moe tp=ep={ep['tp']}: {_mib(ep['expert_bytes_per_device'])} of "
+            f"{_mib(ep['expert_bytes'])} expert bytes per device, collectives "
+            f"{sorted({c[0] for c in ep['collectives']})}, expert weights moved: "
+            f"{len(ep['expert_moved'])}"
+        )
     if "fp8_matmul" in report:
         dots = report["fp8_matmul"]["dots"]
         float8 = sum(d == ["f8e4m3fn", "f8e4m3fn"] for d in dots)
