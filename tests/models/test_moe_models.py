@@ -168,3 +168,26 @@ def test_expert_parallel_needs_experts(tmp_path, tokenizer_dir):
     path = make_checkpoint("llama", tmp_path / "l", tokenizer_dir)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         load_model(path, expert_parallel=True)
+
+
+def test_ngram_speculation_swap_prefix_cache_and_n2_keep_greedy_tokens(
+    moe_checkpoints, moe_hf_greedy
+):
+    """The engine features are model-agnostic; on an MoE model (a shared expert and a
+    dense layer among the sparse ones) they still give Transformers' greedy tokens."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    engine = dict(ENGINE, max_num_batched_tokens=32, num_gpu_blocks_override=20)
+    engine |= dict(speculative_config=ngram, preemption_mode="swap")
+    llm = LLM(str(moe_checkpoints["qwen2_moe"]), **engine)
+    want = moe_hf_greedy["qwen2_moe"]
+    outs = llm.generate(token_prompts(prompts()), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_metrics()["num_preemptions"] > 0
+    for _ in range(2):  # the second time, the long prompt's blocks are cached
+        outs = llm.generate(token_prompts(prompts()[-1:]), GREEDY, use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == want[-1]
+    pairs = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2)
+    outs = llm.generate(token_prompts(prompts()[:3]), pairs, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want[:3]]
+    m = llm.get_metrics()
+    assert m["prefix_cache_hits"] > 0 and m["spec_decode_num_draft_tokens"] > 0
