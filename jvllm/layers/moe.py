@@ -14,9 +14,10 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
 - `grouped_expert_mlp`: the token-expert pairs are sorted by expert and multiplied group
   by group with `jax.lax.ragged_dot_general`; every shape is static (`[T * k, ...]`)
   whatever the routing, so no routing compiles a new program. On a GPU JAX lowers it to
-  XLA's ragged-dot instruction; on a CPU JAX itself expands it into a masked dense
-  product over every expert (`lax._ragged_dot_general_impl`), correct but E times the
-  FLOPs.
+  XLA's ragged-dot instruction, which XLA:GPU (jaxlib 0.10.2) expands into dense dots
+  over every expert (docs/moe.md has the deviceless H200 figures); on a CPU JAX itself
+  expands it into a masked dense product over every expert
+  (`lax._ragged_dot_general_impl`). Correct either way, but every expert is read.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for

@@ -338,14 +338,14 @@ def stage_forward(
 ) -> tuple[jax.Array, list[KVCache]]:
     """One pipeline stage: the decoder layers whose parameters are `layer_params`
     (`model.layers_j` trees) over `x` `[T, H]`; `inputs` are the micro-batch's
-    positions and attention metadata."""
+    positions and attention metadata. Every stage's layer j has the same kind of MLP
+    (dense or sparse; the loader checks it), so stage 0's layer j stands for all."""
     s = module.spec
-    assert s.moe is None, "the loader refuses pipeline stages for mixture-of-experts models"
     positions, meta = inputs
-    layer = DecoderLayer(s, module.dtype, module.backend, module.mesh)
     cos_sin = rotary_cos_sin(positions, inverse_frequencies(s.rope, s.head_dim), module.dtype)
     new_caches = []
-    for params, cache in zip(layer_params, caches, strict=True):
+    for j, (params, cache) in enumerate(zip(layer_params, caches, strict=True)):
+        layer = DecoderLayer(s, module.dtype, module.backend, module.mesh, layer_index=j)
         x, cache = layer.apply({"params": params}, x, cos_sin, cache, meta)
         new_caches.append(cache)
     return x, new_caches

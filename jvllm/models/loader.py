@@ -212,11 +212,17 @@ def check_experts(spec: ModelSpec, mesh: Mesh | None) -> None:
             f"{spec.architecture}: quantized experts are not supported "
             f"(quantization={spec.quantization!r}); load the float checkpoint without it"
         )
-    if pp_size(mesh) > 1:
-        raise ValueError(
-            f"{spec.architecture}: pipeline_parallel_size > 1 is not supported for "
-            "mixture-of-experts models; use tensor_parallel_size (and enable_expert_parallel)"
-        )
+    pp = pp_size(mesh)
+    if pp > 1 and spec.num_layers % pp == 0:
+        per_stage = spec.num_layers // pp
+        for j in range(per_stage):
+            kinds = {spec.is_sparse_layer(stage * per_stage + j) for stage in range(pp)}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} needs every stage's layer {j} to be alike, "
+                    f"but the sparse layers are {list(spec.moe.sparse_layers)} "
+                    "(decoder_sparse_step, mlp_only_layers); choose another stage count"
+                )
 
 
 def _layer_index(path: tuple[str, ...]) -> int | None:

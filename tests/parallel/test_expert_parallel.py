@@ -106,3 +106,30 @@ def test_no_collective_moves_an_expert_weight(moe_checkpoints, ep):
     assert not moved, moved
     # The experts' partial sums are all-reduced as [T, H] activations.
     assert ("all-reduce", f"f32[{shape.num_tokens},{hidden}]") in collectives
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
+    ],
+    ids=["pp2", "pp2-tp2-ep"],
+)
+def test_pipeline_stages_give_one_devices_tokens(moe_checkpoints, kwargs):
+    path = str(moe_checkpoints["olmoe"])  # 2 layers, both sparse: one per stage
+    engine = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(6, 500, n)]} for n in (3, 50)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for extra in ({}, kwargs):
+        outs = LLM(path, **engine, **extra).generate(prompts, params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
+def test_stages_with_unlike_layers_are_refused(moe_checkpoints):
+    """Qwen2-MoE's test model: layer 0 dense, layer 1 sparse (decoder_sparse_step=2)."""
+    with pytest.raises(ValueError, match="every stage's layer 0 to be alike"):
+        load_model(moe_checkpoints["qwen2_moe"], mesh=make_mesh(1, pipeline_parallel_size=2))
