@@ -69,7 +69,7 @@ def build(models_dir: Path) -> Path:
 def run_jvllm(path: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     from jvllm import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=len(prompts), seed=0)
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=len(prompts), max_num_batched_tokens=256)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -84,16 +84,19 @@ def run_hf(path: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, A
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = torch.tensor(prompts)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where jvllm runs too
+    model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     kwargs = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens)
     with torch.no_grad():
         model.generate(ids[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     tokens = int((out.shape[1] - ids.shape[1]) * out.shape[0])
-    return dict(seconds=seconds, output_tokens=tokens, tok_s=tokens / seconds)
+    return dict(seconds=seconds, output_tokens=tokens, tok_s=tokens / seconds, device=device)
 
 
 def roofline_tok_s(rows: int, bandwidth: float) -> dict[str, float]:
@@ -109,7 +112,7 @@ def roofline_tok_s(rows: int, bandwidth: float) -> dict[str, float]:
     return dict(step_bytes=per_step, distinct_experts=distinct, tok_s=rows * bandwidth / per_step)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     result = common.envelope(__file__, argv)
@@ -146,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{result['jvllm_fraction_of_roofline']:.1%}"
     )
     common.write_result(args.output, result)
+    return result
 
 
 if __name__ == "__main__":
