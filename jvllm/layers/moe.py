@@ -12,12 +12,13 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   CPU picks others (experts 2 and 4 of five equal logits): only identical router logits
   tie exactly, so this is the one place jvllm may route differently.
 - `grouped_expert_mlp`: the token-expert pairs are sorted by expert and multiplied group
-  by group with `jax.lax.ragged_dot_general`; every shape is static (`[T * k, ...]`)
-  whatever the routing, so no routing compiles a new program. On a GPU JAX lowers it to
-  XLA's ragged-dot instruction, which XLA:GPU (jaxlib 0.10.2) expands into dense dots
-  over every expert (docs/moe.md has the deviceless H200 figures); on a CPU JAX itself
-  expands it into a masked dense product over every expert
-  (`lax._ragged_dot_general_impl`). Correct either way, but every expert is read.
+  by group; every shape is static (`[T * k, ...]`) whatever the routing, so no routing
+  compiles a new program. With the "triton" backend (the GPU's) the groups run in
+  `kernels/triton_grouped_matmul.py`, which reads only the routed experts' weights.
+  Otherwise `jax.lax.ragged_dot_general` does: XLA:GPU (jaxlib 0.10.2) expands it into
+  dense dots over every expert (docs/moe.md has the deviceless H200 figures), and on a
+  CPU JAX itself expands it into a masked dense product over every expert
+  (`lax._ragged_dot_general_impl`): correct, but every expert is read.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
@@ -60,8 +61,15 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     return Routing(weights, experts.astype(jnp.int32))
 
 
-def _grouped(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [M, K] (sorted by group) times w [G, N, K] of each row's group -> [M, N]."""
+def _grouped(
+    rows: jax.Array, w: jax.Array, sorted_experts: jax.Array, group_sizes: jax.Array, backend: str
+) -> jax.Array:
+    """rows [M, K] (sorted by group) times w [G, N, K] of each row's group -> [M, N];
+    with the "triton" backend, a kernel that reads only the groups' own weights."""
+    if backend == "triton":
+        from jvllm.kernels.jax_triton_grouped_matmul import grouped_matmul
+
+        return grouped_matmul(rows, w, sorted_experts, group_sizes)
     return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
 
 
@@ -72,6 +80,7 @@ def grouped_expert_mlp(
     w_up: jax.Array,  # [El, I, H]
     w_down: jax.Array,  # [El, H, I]
     first_expert: jax.Array | int = 0,
+    backend: str = "reference",
 ) -> jax.Array:  # [T, H]
     """The experts' contribution to each token, for the `El` experts held here: experts
     `first_expert .. first_expert + El - 1` (all of them when El = E). Pairs routed to
@@ -84,12 +93,14 @@ def grouped_expert_mlp(
     order = jnp.argsort(flat, stable=True)  # [T*k]: pair index, sorted by expert
     group_sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)  # [El]
     rows = x[order // k]  # [T*k, H]
-    gate = _grouped(rows, w_gate, group_sizes)  # [T*k, I]
-    up = _grouped(rows, w_up, group_sizes)
-    out = _grouped(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, H]
+    sorted_experts = flat[order]  # [T*k]
+    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)
+    gate = grouped(rows, w_gate)  # [T*k, I]
+    up = grouped(rows, w_up)
+    out = grouped(jax.nn.silu(gate) * up, w_down)  # [T*k, H]
     weight = jnp.where(mine, routing.weights, 0.0).reshape(-1)[order]  # [T*k] float32
     # Rows past the local groups were never multiplied: select, never scale, them away.
-    valid = flat[order] < num_local
+    valid = sorted_experts < num_local
     out = jnp.where(valid[:, None], out.astype(jnp.float32) * weight[:, None], 0.0)
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # [T*k, H]
     return unsorted.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
@@ -120,6 +131,7 @@ def sharded_expert_mlp(
     w_down: jax.Array,
     mesh: Mesh,
     expert_parallel: bool,
+    backend: str = "reference",
 ) -> jax.Array:  # [T, H], replicated
     """`grouped_expert_mlp` on a `tp` mesh: each device computes a partial sum over what
     it holds, then one all-reduce of `[T, H]` adds them.
@@ -146,14 +158,15 @@ def sharded_expert_mlp(
 
         def local(x, weights, experts, g, u, d):
             first = jax.lax.axis_index(AXIS) * g.shape[0]
-            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, first)
+            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, first, backend)
             return jax.lax.psum(out, AXIS)
 
         gate_spec = up_spec = down_spec = P(AXIS, None, None)
     else:
 
         def local(x, weights, experts, g, u, d):
-            return jax.lax.psum(grouped_expert_mlp(x, Routing(weights, experts), g, u, d), AXIS)
+            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, 0, backend)
+            return jax.lax.psum(out, AXIS)
 
         gate_spec = up_spec = P(None, AXIS, None)
         down_spec = P(None, None, AXIS)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
-from jvllm.layers.moe import grouped_expert_mlp, route, sharded_expert_mlp
+from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
 from jvllm.models.quantization import (
     BlockFloatWeights,
@@ -187,17 +187,20 @@ class Experts(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     mesh: Mesh | None = None
+    backend: str = "reference"  # "triton": the grouped-matmul kernel
 
     @nn.compact
-    def __call__(self, x: jax.Array, routing: Any) -> jax.Array:  # [T, H] -> [T, H]
+    def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:  # [T, H] -> [T, H]
         s, m = self.spec, self.spec.moe
         e, i, h = m.num_experts, m.intermediate_size, s.hidden_size
         w_gate = param(self, "gate_proj", _init, (e, i, h), self.dtype)
         w_up = param(self, "up_proj", _init, (e, i, h), self.dtype)
         w_down = param(self, "down_proj", _init, (e, h, i), self.dtype)
         if self.mesh is None:
-            return grouped_expert_mlp(x, routing, w_gate, w_up, w_down)
-        return sharded_expert_mlp(x, routing, w_gate, w_up, w_down, self.mesh, s.expert_parallel)
+            return grouped_expert_mlp(x, routing, w_gate, w_up, w_down, 0, self.backend)
+        return sharded_expert_mlp(
+            x, routing, w_gate, w_up, w_down, self.mesh, s.expert_parallel, self.backend
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -207,13 +210,15 @@ class SparseMoeBlock(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
     mesh: Mesh | None = None
+    backend: str = "reference"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H]
         m = self.spec.moe
         logits = GateWeight(m.num_experts, self.dtype, name="gate")(x)  # [T, E] float32
         routing = route(logits, m.top_k, m.norm_topk_prob)
-        out = Experts(self.spec, self.dtype, self.mesh, name="experts")(x, routing)
+        experts = Experts(self.spec, self.dtype, self.mesh, self.backend, name="experts")
+        out = experts(x, routing)
         if m.shared_expert_intermediate_size:
             shared = MLP(
                 self.spec, self.dtype, m.shared_expert_intermediate_size, name="shared_expert"
@@ -246,7 +251,7 @@ class DecoderLayer(nn.Module):
         )
         x = x + h
         if self.spec.is_sparse_layer(self.layer_index):
-            mlp = SparseMoeBlock(self.spec, self.dtype, self.mesh, name="mlp")
+            mlp = SparseMoeBlock(self.spec, self.dtype, self.mesh, self.backend, name="mlp")
         else:
             mlp = MLP(self.spec, self.dtype, name="mlp")
         x = x + mlp(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))

@@ -140,11 +140,17 @@ def summary(report: dict[str, Any]) -> str:
     if "moe" in report:
         for layer in report["moe"]["sparse_layer"]:
             lines.append(
-                f"  moe sparse layer, {layer['num_tokens']} tokens: {_mib(layer['bytes_accessed'])}"
-                f" accessed; experts {_mib(layer['expert_bytes'])}, at most "
-                f"{_mib(layer['activated_expert_bytes_max'])} activated; "
+                f"  moe sparse layer, {layer['backend']:9}, {layer['num_tokens']:4} tokens: "
+                f"{_mib(layer['bytes_accessed'])} accessed; experts {_mib(layer['expert_bytes'])},"
+                f" at most {_mib(layer['activated_expert_bytes_max'])} activated; "
                 f"dots {layer['expert_dots']}"
             )
+            for k in layer["kernels"]:
+                lines.append(
+                    f"  ptxas moe {k['kernel_name']} T={layer['num_tokens']}: {k['registers']} "
+                    f"regs {k['spill_bytes']} B spilled {k['shared_bytes']} B smem "
+                    f"{'; '.join(k['problems']) or 'ok'}"
+                )
         ep = report["moe"]["expert_parallel"]
         lines.append(
             f"  moe tp=ep={ep['tp']}: {_mib(ep['expert_bytes_per_device'])} of "
