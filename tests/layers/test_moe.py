@@ -112,3 +112,20 @@ def test_bfloat16_close_to_float32():
     assert got.dtype == jnp.bfloat16
     scale = float(jnp.abs(want).max())
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < 0.03 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU and jax-triton")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_triton_backend_matches_the_dense_reference_on_a_gpu(dtype):
+    """The Triton grouped matmul with its padded layout, jitted, on the GPU."""
+    weights = expert_weights(8, dtype=dtype)
+    x = hidden(40, dtype=dtype)
+    fn = jax.jit(grouped_expert_mlp, static_argnames="backend")
+    for seed in range(3):
+        routing = random_routing(40, 8, 2, seed)
+        got = fn(x, routing, *weights, backend="triton").astype(jnp.float32)
+        with jax.default_matmul_precision("highest"):  # no TF32 in the reference's einsums
+            want = dense_expert_mlp_reference(x, routing, *weights).astype(jnp.float32)
+        tol = 1e-4 if dtype == jnp.float32 else 3e-2
+        assert float(jnp.abs(got - want).max()) <= tol * max(1.0, float(jnp.abs(want).max()))
