@@ -90,6 +90,10 @@ if [ "$(left)" -gt 240 ]; then
   step sampler 45 "$PY" bench/sampler.py --rows 64,256 --vocab 128256 --reps 20 \
     --output "$RESULTS/sampler_gpu.json"
 fi
+if [ "$(left)" -gt 240 ]; then
+  # An 8-expert top-2 MoE model: jvllm against Transformers' generate on the GPU.
+  step moe 150 "$PY" bench/moe.py --output "$RESULTS/moe_gpu.json"
+fi
 if [ -f bench/throughput.py ] && [ "$(left)" -gt 90 ]; then
   # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of flags
   step throughput "$(($(left) - 20))" "${OWNED[@]}" "$PY" bench/throughput.py $THROUGHPUT_ARGS \

@@ -50,6 +50,8 @@ _HELP = {
     "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing from memory",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "tensor_parallel_size": "devices to shard each layer over",
+    "enable_expert_parallel": "mixture-of-experts models: split the experts whole over the "
+    "tensor-parallel devices (attention stays tensor parallel)",
     "coordinator_address": "multi-host: host:port of process 0's jax.distributed coordinator "
     "(or JVLLM_COORDINATOR_ADDRESS)",
     "num_processes": "multi-host: processes in all (or JVLLM_NUM_PROCESSES)",
@@ -112,6 +114,7 @@ _GROUPS = {
     "cpu_offload_gb": "CacheConfig",
     "kv_cache_dtype": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
+    "enable_expert_parallel": "ParallelConfig",
     "pipeline_parallel_size": "ParallelConfig",
     "pipeline_micro_batches": "ParallelConfig",
     "coordinator_address": "ParallelConfig",

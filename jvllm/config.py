@@ -130,6 +130,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Micro-batches a pipelined step runs (None: one per stage).
     pipeline_micro_batches: int | None = None
+    # A mixture-of-experts model's experts split whole over the `tp` devices (the expert
+    # parallel size is the tensor parallel size, as in vLLM).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -67,6 +67,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models: experts split whole over the tensor-parallel devices.
+    enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None  # with stages; None: one per stage
     scheduling_policy: str = "continuous"
@@ -159,7 +161,10 @@ class EngineArgs:
             initialize_distributed(dist)
         cache_dir = compilation_cache(self.compilation_cache_dir)
         parallel = ParallelConfig(
-            self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_micro_batches
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.pipeline_micro_batches,
+            self.enable_expert_parallel,
         )
         if parallel.pipeline_parallel_size > 1:
             self._check_pipeline(speculative)
@@ -169,7 +174,15 @@ class EngineArgs:
             mesh = make_mesh(tp, pipeline_parallel_size=pp)
         backend = _resolve_backend(self.attention_backend)
         offload = int(self.cpu_offload_gb * memory.GIB)
-        loaded = load_model(self.model, self.dtype, backend, mesh, self.quantization, offload)
+        loaded = load_model(
+            self.model,
+            self.dtype,
+            backend,
+            mesh,
+            self.quantization,
+            offload,
+            expert_parallel=parallel.enable_expert_parallel,
+        )
         if transposes_weights(loaded.spec, mesh, loaded.num_offloaded_layers):
             loaded = process_weights_after_loading(loaded)
         logger.info(

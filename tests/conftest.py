@@ -29,6 +29,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
 
 
 @pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict:
+    """mixture-of-experts arch -> float32 checkpoint with the Hub's per-expert names."""
+    from jvllm.testing.moe_checkpoints import MOE_ARCHITECTURES, make_moe_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    return {a: make_moe_checkpoint(a, root / a, tokenizer_dir) for a in MOE_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
 def hf_models(checkpoints: dict[str, Path]) -> dict:
     """arch -> the Transformers reference model (torch, CPU, float32, eval)."""
     from transformers import AutoModelForCausalLM

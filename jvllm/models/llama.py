@@ -1,8 +1,11 @@
-"""Flax decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+"""Flax decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3, and their
+mixture-of-experts kin Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 Owns the forward pass over a flattened ragged batch and one paged KV cache per
 layer. The architectures differ only in switches carried by `ModelSpec`
-(q/k/v bias, per-head q/k RMSNorm, sliding window, tied embeddings).
+(q/k/v bias, q/k RMSNorm per head or over the projection, sliding window, tied
+embeddings, and `spec.moe`: which layers' MLP is a routed set of experts, see
+`layers/moe.py`).
 Parameter names mirror the Hugging Face checkpoint (`model.layers_0.self_attn...`)
 and weights keep its `[out, in]` layout, so loading never transposes; on a CPU the
 float weights are then turned to `[in, out]` (`spec.transposed_weights`, see
@@ -22,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
 from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
 from jvllm.models.quantization import (
     BlockFloatWeights,
@@ -114,10 +118,13 @@ class Attention(nn.Module):
         q = linear(s.num_heads * s.head_dim, s.qkv_bias, name="q_proj")(x)
         k = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="k_proj")(x)
         v = linear(s.num_kv_heads * s.head_dim, s.qkv_bias, name="v_proj")(x)
+        if s.qk_norm and s.qk_norm_over_projection:  # OLMoE: one norm over all heads
+            q = RMSNorm(s.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(s.rms_norm_eps, self.dtype, name="k_norm")(k)
         q = q.reshape(t, s.num_heads, s.head_dim)  # [T, Hq, D]
         k = k.reshape(t, s.num_kv_heads, s.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
+        if s.qk_norm and not s.qk_norm_over_projection:
             q = RMSNorm(s.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(s.rms_norm_eps, self.dtype, name="k_norm")(k)
         q = apply_rotary(q, *cos_sin)
@@ -147,14 +154,78 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     spec: ModelSpec
     dtype: jnp.dtype
+    intermediate_size: int | None = None  # the spec's when None (a shared expert's own)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.spec
+        inter = self.intermediate_size or s.intermediate_size
         linear = spec_linear(s, self.dtype)
-        gate = linear(s.intermediate_size, s.mlp_bias, name="gate_proj")(x)
-        up = linear(s.intermediate_size, s.mlp_bias, name="up_proj")(x)
+        gate = linear(inter, s.mlp_bias, name="gate_proj")(x)
+        up = linear(inter, s.mlp_bias, name="up_proj")(x)
         return linear(s.hidden_size, s.mlp_bias, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class GateWeight(nn.Module):
+    """`x @ weight.T` in float32, weight `[out, in]` as stored: a router or a shared
+    expert's gate, which are never quantized, transposed or split."""
+
+    features: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H] -> [T, out] float32
+        w = param(self, "weight", _init, (self.features, x.shape[-1]), self.dtype)
+        return jnp.einsum(
+            "th,oh->to", x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"
+        )
+
+
+class Experts(nn.Module):
+    """`experts.{gate,up,down}_proj`: every expert's weights stacked `[E, out, in]`."""
+
+    spec: ModelSpec
+    dtype: jnp.dtype
+    mesh: Mesh | None = None
+    backend: str = "reference"  # "triton": the grouped-matmul kernel
+
+    @nn.compact
+    def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:  # [T, H] -> [T, H]
+        s, m = self.spec, self.spec.moe
+        e, i, h = m.num_experts, m.intermediate_size, s.hidden_size
+        w_gate = param(self, "gate_proj", _init, (e, i, h), self.dtype)
+        w_up = param(self, "up_proj", _init, (e, i, h), self.dtype)
+        w_down = param(self, "down_proj", _init, (e, h, i), self.dtype)
+        if self.mesh is None:
+            return grouped_expert_mlp(x, routing, w_gate, w_up, w_down, 0, self.backend)
+        return sharded_expert_mlp(
+            x, routing, w_gate, w_up, w_down, self.mesh, s.expert_parallel, self.backend
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's `mlp`: router `gate`, routed `experts`, and (Qwen2-MoE) a
+    `shared_expert` MLP scaled by `sigmoid(shared_expert_gate(x))`."""
+
+    spec: ModelSpec
+    dtype: jnp.dtype
+    mesh: Mesh | None = None
+    backend: str = "reference"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H]
+        m = self.spec.moe
+        logits = GateWeight(m.num_experts, self.dtype, name="gate")(x)  # [T, E] float32
+        routing = route(logits, m.top_k, m.norm_topk_prob)
+        experts = Experts(self.spec, self.dtype, self.mesh, self.backend, name="experts")
+        out = experts(x, routing)
+        if m.shared_expert_intermediate_size:
+            shared = MLP(
+                self.spec, self.dtype, m.shared_expert_intermediate_size, name="shared_expert"
+            )
+            scale = jax.nn.sigmoid(GateWeight(1, self.dtype, name="shared_expert_gate")(x))
+            out = out + (scale * shared(x).astype(jnp.float32)).astype(out.dtype)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -163,6 +234,7 @@ class DecoderLayer(nn.Module):
     backend: str
     mesh: Mesh | None = None
     input_norm: bool = True  # an EAGLE head's first layer has none
+    layer_index: int = 0  # which MLP it has: `spec.is_sparse_layer`
 
     @nn.compact
     def __call__(
@@ -178,9 +250,11 @@ class DecoderLayer(nn.Module):
             normed, cos_sin, cache, meta
         )
         x = x + h
-        x = x + MLP(self.spec, self.dtype, name="mlp")(
-            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        )
+        if self.spec.is_sparse_layer(self.layer_index):
+            mlp = SparseMoeBlock(self.spec, self.dtype, self.mesh, self.backend, name="mlp")
+        else:
+            mlp = MLP(self.spec, self.dtype, name="mlp")
+        x = x + mlp(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
         return x, cache
 
 
@@ -198,7 +272,8 @@ class DecoderModel(nn.Module):
             s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
         self.layers = [
-            DecoderLayer(s, self.dtype, self.backend, self.mesh) for _ in range(s.num_layers)
+            DecoderLayer(s, self.dtype, self.backend, self.mesh, layer_index=i)
+            for i in range(s.num_layers)
         ]
         self.norm = RMSNorm(s.rms_norm_eps, self.dtype)
         self.inv_freq = inverse_frequencies(s.rope, s.head_dim)
@@ -268,13 +343,14 @@ def stage_forward(
 ) -> tuple[jax.Array, list[KVCache]]:
     """One pipeline stage: the decoder layers whose parameters are `layer_params`
     (`model.layers_j` trees) over `x` `[T, H]`; `inputs` are the micro-batch's
-    positions and attention metadata."""
+    positions and attention metadata. Every stage's layer j has the same kind of MLP
+    (dense or sparse; the loader checks it), so stage 0's layer j stands for all."""
     s = module.spec
     positions, meta = inputs
-    layer = DecoderLayer(s, module.dtype, module.backend, module.mesh)
     cos_sin = rotary_cos_sin(positions, inverse_frequencies(s.rope, s.head_dim), module.dtype)
     new_caches = []
-    for params, cache in zip(layer_params, caches, strict=True):
+    for j, (params, cache) in enumerate(zip(layer_params, caches, strict=True)):
+        layer = DecoderLayer(s, module.dtype, module.backend, module.mesh, layer_index=j)
         x, cache = layer.apply({"params": params}, x, cos_sin, cache, meta)
         new_caches.append(cache)
     return x, new_caches

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
+from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
 from jvllm.models.packed_tensors import PackedCheckpoint
 from jvllm.models.quantization import (
@@ -136,6 +137,7 @@ def load_model(
     mesh: Mesh | None = None,
     quantization: str | None = None,
     offload_bytes: int = 0,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Loads and places every parameter; on a mesh each device gets only its slices.
 
@@ -143,6 +145,8 @@ def load_model(
     `quantization` ("int8", "fp8") quantizes the linear weights on the host as they load.
     `offload_bytes` (vLLM's cpu_offload_gb, per device): the first decoder layers whose
     weights fit in it stay in pinned host memory; the step copies them in as it runs.
+    `expert_parallel` (vLLM's enable_expert_parallel): a mixture-of-experts model's
+    experts are split whole over the `tp` devices instead of on their intermediate axis.
     """
     model_dir = Path(model_dir)
     check_quantization(quantization)
@@ -151,7 +155,10 @@ def load_model(
     if "quantization_config" in hf_config:
         config = hf_config["quantization_config"]
         scheme = checkpoint_scheme(str(model_dir), config, quantization)
-    spec = dataclasses.replace(spec_from_hf_config(hf_config), quantization=scheme)
+    spec = dataclasses.replace(
+        spec_from_hf_config(hf_config), quantization=scheme, expert_parallel=expert_parallel
+    )
+    check_experts(spec, mesh)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
     if converted and quantization is not None:
         raise ValueError(
@@ -189,6 +196,33 @@ def load_model(
     else:
         params = read_params(model_dir, abstract, spec, mesh, offloaded=offloaded)
     return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded)
+
+
+def check_experts(spec: ModelSpec, mesh: Mesh | None) -> None:
+    """Rejects what the mixture-of-experts layer does not cover."""
+    if spec.moe is None:
+        if spec.expert_parallel:
+            raise ValueError(
+                f"enable_expert_parallel needs a mixture-of-experts model; "
+                f"{spec.architecture} has no experts"
+            )
+        return
+    if spec.quantization is not None:
+        raise ValueError(
+            f"{spec.architecture}: quantized experts are not supported "
+            f"(quantization={spec.quantization!r}); load the float checkpoint without it"
+        )
+    pp = pp_size(mesh)
+    if pp > 1 and spec.num_layers % pp == 0:
+        per_stage = spec.num_layers // pp
+        for j in range(per_stage):
+            kinds = {spec.is_sparse_layer(stage * per_stage + j) for stage in range(pp)}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={pp} needs every stage's layer {j} to be alike, "
+                    f"but the sparse layers are {list(spec.moe.sparse_layers)} "
+                    "(decoder_sparse_step, mlp_only_layers); choose another stage count"
+                )
 
 
 def _layer_index(path: tuple[str, ...]) -> int | None:
@@ -235,9 +269,11 @@ def read_params(
         hf_name(p): placer.expected_shape(hf_name(p), a.shape) if placer else a.shape
         for p, a in abstract.items()
     }
-    index: SafetensorsIndex | PackedCheckpoint = SafetensorsIndex(model_dir)
+    index: SafetensorsIndex | PackedCheckpoint | ExpertCheckpoint = SafetensorsIndex(model_dir)
     if isinstance(spec.quantization, PackedWeights):
         index = PackedCheckpoint(index, spec.quantization, wanted)
+    if spec.moe is not None:
+        index = ExpertCheckpoint(index, spec)
     host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
     flat: dict[tuple[str, ...], jax.Array] = {}
     used: set[str] = set()
@@ -290,8 +326,9 @@ def read_params(
     return _unflatten(flat)
 
 
-def _convert(array: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
+def _convert(array: np.ndarray | StackedExperts, dtype: jnp.dtype) -> np.ndarray:
     target = to_numpy_dtype(dtype)
+    array = np.asarray(array)
     return array if array.dtype == target else array.astype(target)
 
 

@@ -9,8 +9,12 @@ from jvllm.models.llama import CausalLM
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
+    "OlmoeForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
+    "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
 }
 
 

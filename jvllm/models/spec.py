@@ -17,6 +17,33 @@ ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # Rope types the model classes apply (dynamic and longrope need per-row lengths, yarn
 # and longrope a cos/sin scaling that they do not pass yet).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse MLP of a mixture-of-experts checkpoint."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    # Decoder layers with a sparse MLP (the others keep a dense one of intermediate_size).
+    sparse_layers: tuple[int, ...]
+    # A dense MLP every token runs, scaled by sigmoid(x @ shared_expert_gate) (Qwen2-MoE).
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok={self.top_k} must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,6 +118,12 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # q/k RMSNorm over the whole projection (OLMoE) rather than per head (Qwen3).
+    qk_norm_over_projection: bool = False
+    moe: MoESpec | None = None
+    # Experts split over the `tp` mesh axis instead of their intermediate axis (vLLM's
+    # enable_expert_parallel); set by the loader, never by a checkpoint.
+    expert_parallel: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -114,9 +147,18 @@ class ModelSpec:
         """Parameter count, for FLOP and bandwidth figures."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
+        mlp = 3 * h * self.intermediate_size * self.num_layers
+        if self.moe is not None:
+            m = self.moe
+            sparse = len(m.sparse_layers)
+            per_sparse = 3 * h * (m.intermediate_size * m.num_experts)
+            per_sparse += 3 * h * m.shared_expert_intermediate_size + h * m.num_experts
+            mlp += sparse * (per_sparse - 3 * h * self.intermediate_size)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h) + embed + h
+        return self.num_layers * (attn + 2 * h) + mlp + embed + h
+
+    def is_sparse_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe.sparse_layers
 
 
 def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -219,11 +261,16 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     sliding_window = None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         sliding_window = cfg.get("sliding_window")
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch.startswith(("Qwen2", "Qwen3")):
         _check_full_attention(cfg, arch)
+    if arch == "OlmoeForCausalLM" and cfg.get("clip_qkv") is not None:
+        raise ValueError(f"config.json: clip_qkv={cfg['clip_qkv']} is not supported (null)")
     attention_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = attention_bias or arch == "Qwen2ForCausalLM"
+    if arch == "Qwen2MoeForCausalLM":
+        qkv_bias = bool(cfg.get("qkv_bias", True))
     return ModelSpec(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -237,14 +284,63 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         rope=_rope_from_config(cfg),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-        o_bias=attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=attention_bias and arch != "Qwen2MoeForCausalLM",
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        qk_norm_over_projection=arch == "OlmoeForCausalLM",
+        moe=moe_from_hf_config(cfg, arch) if arch in MOE_ARCHITECTURES else None,
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
+
+
+# Router fields whose other values select a routing jvllm does not implement.
+_ROUTER_DEFAULTS = {
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "n_group": None,
+    "topk_group": None,
+    "routed_scaling_factor": 1.0,
+}
+
+
+def moe_from_hf_config(cfg: dict[str, Any], arch: str) -> MoESpec:
+    """The sparse MLP of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json.
+
+    All four route by a softmax over the experts in float32 then top-k; Mixtral always
+    renormalises the k weights, the others as `norm_topk_prob` says.
+    """
+    for key, default in _ROUTER_DEFAULTS.items():
+        if cfg.get(key) is not None and cfg[key] != default:
+            raise ValueError(
+                f"config.json: router field {key}={cfg[key]!r} is not supported "
+                f"({default!r}: softmax top-k routing)"
+            )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts:
+        raise ValueError(f"config.json: {arch} needs num_experts (or num_local_experts)")
+    layers = int(cfg["num_hidden_layers"])
+    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+        sparse = tuple(range(layers))
+        inter = int(cfg["intermediate_size"])  # their experts' own size
+    else:
+        step = int(_get(cfg, "decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"config.json: decoder_sparse_step={step} must be >= 1")
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        inter = int(cfg["moe_intermediate_size"])
+    shared = int(_get(cfg, "shared_expert_intermediate_size", 0))
+    return MoESpec(
+        num_experts=int(experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=inter,
+        norm_topk_prob=True if arch == "MixtralForCausalLM" else bool(cfg.get("norm_topk_prob")),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=shared if arch == "Qwen2MoeForCausalLM" else 0,
     )
 
 

@@ -51,7 +51,7 @@ class ShardedPlacer:
     def expected_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The checkpoint shape a model parameter of `shape` comes from."""
         repeats = kv_replication(self.spec, self.tp)
-        if repeats > 1 and _is_kv_projection(name, shape):
+        if repeats > 1 and self._is_kv(name, shape):
             return (shape[0] // repeats, *shape[1:])
         return shape
 
@@ -85,9 +85,15 @@ class ShardedPlacer:
 
     def _replicate_kv(self, name: str, array: np.ndarray) -> np.ndarray:
         repeats = kv_replication(self.spec, self.tp)
-        if repeats > 1 and _is_kv_projection(name, array.shape):
+        if repeats > 1 and self._is_kv(name, array.shape):
             return repeat_kv_heads(array, repeats, self.spec.head_dim)
         return array
+
+    def _is_kv(self, name: str, shape: tuple[int, ...]) -> bool:
+        """A tensor laid out by KV head: a k/v projection's, or an OLMoE k_norm's scale
+        over the whole key projection (the norm's mean is unchanged by repeating heads)."""
+        whole_k_norm = getattr(self.spec, "qk_norm_over_projection", False)
+        return _is_kv_projection(name, shape) or (whole_k_norm and name.endswith(".k_norm.weight"))
 
 
 def _is_kv_projection(name: str, shape: tuple[int, ...]) -> bool:

@@ -6,10 +6,13 @@ style): q/k/v and gate/up are column-parallel (split on output features, i.e.
 heads), o_proj and down_proj row-parallel (split on input features), the KV
 cache on its KV-head axis. Embedding and lm_head are vocab-parallel when the
 vocabulary divides evenly, else replicated: vocab-parallel saves V*H/N memory per
-device at the price of one all-gather of the logits. When a model has fewer KV
-heads than devices, each KV head is replicated `tp / num_kv_heads` times (as vLLM
-does), so every device still holds whole heads. A scale of a whole tensor (FP8
-per-tensor weight and static input scales) is replicated whichever way its layer splits.
+device at the price of one all-gather of the logits. A mixture-of-experts layer's stacked
+experts `[E, out, in]` split on their intermediate axis like a dense MLP, or, with
+expert parallelism, whole experts on the expert axis; its router stays replicated.
+When a model has fewer KV heads than devices, each KV head is replicated
+`tp / num_kv_heads` times (as vLLM does), so every device still holds whole heads. A
+scale of a whole tensor (FP8 per-tensor weight and static input scales) is replicated
+whichever way its layer splits.
 
 With pipeline parallelism the mesh is `pp x tp`: decoder layers are split into `pp`
 stages (see `jvllm.parallel.pipeline`), and the embedding and lm_head are vocab-parallel
@@ -112,6 +115,14 @@ def check_divisible(spec: ModelShapes, tp: int) -> None:
         problems.append(f"num_attention_heads={spec.num_heads}")
     if spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size}")
+    moe = getattr(spec, "moe", None)
+    if moe is not None and getattr(spec, "expert_parallel", False):
+        if moe.num_experts % tp:
+            problems.append(f"num_experts={moe.num_experts} (expert parallel)")
+    elif moe is not None:
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(moe, name) % tp:
+                problems.append(f"the experts' {name}={getattr(moe, name)}")
     kv = spec.num_kv_heads
     if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
         problems.append(f"num_key_value_heads={kv}")
@@ -145,6 +156,10 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
     if tp == 1 or is_per_tensor(name, shape):
         return P()
     ndim = len(shape)
+    if leaf == "experts":  # stacked [E, out, in]: whole experts, or their I axis, split
+        if getattr(spec, "expert_parallel", False):
+            return P(AXIS, None, None)
+        return P(None, None, AXIS) if name.endswith(".down_proj") else P(None, AXIS, None)
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     # A packed layer's weight_g_idx [in] names each input's group: it follows the inputs.
     g_idx = name.endswith(".weight_g_idx")

@@ -46,6 +46,7 @@ from jvllm.testing.deviceless import (
     kv_cache_for,
     model_on,
 )
+from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
 
 
 def eight_b_spec() -> ModelSpec:
@@ -58,7 +59,7 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
     return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
 
 
-SECTIONS = ("8b", "tiny", "tp", "bad", "variants")
+SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe")
 
 # Attention of other models' shapes, the Triton kernel alone at their per-layer options:
 # (query heads, KV heads, head dim) and the options of their layers.
@@ -120,6 +121,9 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
     for name, (heads, options) in ATTENTION_VARIANTS.items() if "variants" in sections else ():
         for tokens, seqs in ATTENTION_BUCKETS:
             report["variants"] += check_attention(name, heads, tokens, seqs, options, target)
+    if "moe" in sections:  # Qwen3-30B-A3B-shaped: 4 layers, 128 experts, top-8
+        report["moe"] = check_moe_stack(target)
+        report["moe"]["expert_parallel"] = check_moe_expert_parallel(target)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
@@ -176,6 +180,27 @@ def summary(report: dict[str, Any]) -> str:
         )
     for name, kernels in report["bad_launches"].items():
         lines.append(f"  bad launch {name}: {[k['problems'] for k in kernels]}")
+    if "moe" in report:
+        for layer in report["moe"]["sparse_layer"]:
+            lines.append(
+                f"  moe sparse layer, {layer['backend']:9}, {layer['num_tokens']:4} tokens: "
+                f"{_mib(layer['bytes_accessed'])} accessed; experts {_mib(layer['expert_bytes'])},"
+                f" at most {_mib(layer['activated_expert_bytes_max'])} activated; "
+                f"dots {layer['expert_dots']}"
+            )
+            for k in layer["kernels"]:
+                lines.append(
+                    f"  ptxas moe {k['kernel_name']} T={layer['num_tokens']}: {k['registers']} "
+                    f"regs {k['spill_bytes']} B spilled {k['shared_bytes']} B smem "
+                    f"{'; '.join(k['problems']) or 'ok'}"
+                )
+        ep = report["moe"]["expert_parallel"]
+        lines.append(
+            f"  moe tp=ep={ep['tp']}: {_mib(ep['expert_bytes_per_device'])} of "
+            f"{_mib(ep['expert_bytes'])} expert bytes per device, collectives "
+            f"{sorted({c[0] for c in ep['collectives']})}, expert weights moved: "
+            f"{len(ep['expert_moved'])}"
+        )
     if "fp8_matmul" in report:
         dots = report["fp8_matmul"]["dots"]
         float8 = sum(d == ["f8e4m3fn", "f8e4m3fn"] for d in dots)

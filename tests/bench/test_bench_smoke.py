@@ -425,3 +425,22 @@ def test_quant_formats_tiny(tmp_path: Path) -> None:
     assert ratio["float32"] == 2.0 and ratio["bfloat16"] == 1.0
     assert ratio["ct-w4a16"] < ratio["int8-load"] < ratio["bfloat16"] < ratio["float32"]
     assert ratio["gptq-w4"] < ratio["int8-load"]
+
+
+@pytest.mark.slow  # ~45 s on a shared 2-core machine: a checkpoint built, two engines warmed
+def test_moe_small(tmp_path: Path) -> None:
+    """Both engines generate every token asked for; the roofline fraction recomputes."""
+    from bench import moe
+
+    out = tmp_path / "moe.json"
+    argv = ["--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "4"]
+    result = moe.main([*argv, "--models-dir", str(tmp_path), "--output", str(out)])
+    written = json.loads(out.read_text())
+    for engine in ("jvllm", "transformers"):
+        run = written[engine]
+        assert run["output_tokens"] == 2 * 4
+        assert run["tok_s"] * run["seconds"] == pytest.approx(run["output_tokens"])
+    fraction = written["jvllm"]["tok_s"] / written["roofline"]["tok_s"]
+    assert written["jvllm_fraction_of_roofline"] == pytest.approx(fraction)
+    assert 0 < written["roofline"]["distinct_experts"] <= 8
+    assert result["model"]["num_local_experts"] == 8

@@ -1,0 +1,181 @@
+"""The mixture-of-experts MLP as pure functions: routing, grouped expert matmuls, and
+their split over a mesh.
+
+Contract. `x [T, H]` are the tokens; each token goes to `top_k` of `E` experts, each a
+SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores them
+(`w_gate`, `w_up` `[E, I, H]`, `w_down` `[E, H, I]`). The output is
+`sum_k weight[t, k] * expert_{experts[t, k]}(x[t])`.
+
+- `route`: softmax over the router logits in float32, top-k, the k weights renormalised
+  to sum to 1 when asked. Exact ties go to the lower expert index (`jax.lax.top_k`);
+  `torch.topk`, which Transformers uses, leaves the order of ties unspecified, and on
+  CPU picks others (experts 2 and 4 of five equal logits): only identical router logits
+  tie exactly, so this is the one place jvllm may route differently.
+- `grouped_expert_mlp`: the token-expert pairs are sorted by expert and multiplied group
+  by group; every shape is static (`[T * k, ...]`) whatever the routing, so no routing
+  compiles a new program. With the "triton" backend (the GPU's) the groups run in
+  `kernels/triton_grouped_matmul.py`, which reads only the routed experts' weights.
+  Otherwise `jax.lax.ragged_dot_general` does: XLA:GPU (jaxlib 0.10.2) expands it into
+  dense dots over every expert (docs/moe.md has the deviceless H200 figures), and on a
+  CPU JAX itself expands it into a masked dense product over every expert
+  (`lax._ragged_dot_general_impl`): correct, but every expert is read.
+- `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
+- `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
+  axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
+  why the expert-parallel form reduces rather than exchanging tokens all-to-all.
+
+Not owned here: the Flax parameters and the shared expert (`models/llama.py`), reading
+expert tensors (`models/expert_tensors.py`), which axes are split (`parallel/mesh.py`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jvllm.parallel.mesh import AXIS
+
+# lhs [M, K] ragged on M; rhs [G, N, K] (the checkpoint's [out, in]) grouped on G.
+_GROUPED_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+class Routing(NamedTuple):
+    weights: jax.Array  # [T, k] float32
+    experts: jax.Array  # [T, k] int32, each in [0, E)
+
+
+def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
+    """`router_logits [T, E]` -> each token's top-k experts and their weights."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(weights, experts.astype(jnp.int32))
+
+
+def _grouped(
+    rows: jax.Array, w: jax.Array, sorted_experts: jax.Array, group_sizes: jax.Array, backend: str
+) -> jax.Array:
+    """rows [M, K] (sorted by group) times w [G, N, K] of each row's group -> [M, N];
+    with the "triton" backend, a kernel that reads only the groups' own weights."""
+    if backend == "triton":
+        from jvllm.kernels.jax_triton_grouped_matmul import grouped_matmul
+
+        return grouped_matmul(rows, w, sorted_experts, group_sizes)
+    return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
+
+
+def grouped_expert_mlp(
+    x: jax.Array,  # [T, H]
+    routing: Routing,
+    w_gate: jax.Array,  # [El, I, H]
+    w_up: jax.Array,  # [El, I, H]
+    w_down: jax.Array,  # [El, H, I]
+    first_expert: jax.Array | int = 0,
+    backend: str = "reference",
+) -> jax.Array:  # [T, H]
+    """The experts' contribution to each token, for the `El` experts held here: experts
+    `first_expert .. first_expert + El - 1` (all of them when El = E). Pairs routed to
+    other experts sort after every local group and contribute zero."""
+    t, k = routing.experts.shape
+    num_local = w_gate.shape[0]
+    local = routing.experts - first_expert  # [T, k]
+    mine = (local >= 0) & (local < num_local)
+    flat = jnp.where(mine, local, num_local).reshape(-1)  # [T*k], others last
+    order = jnp.argsort(flat, stable=True)  # [T*k]: pair index, sorted by expert
+    group_sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)  # [El]
+    rows = x[order // k]  # [T*k, H]
+    sorted_experts = flat[order]  # [T*k]
+    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)
+    gate = grouped(rows, w_gate)  # [T*k, I]
+    up = grouped(rows, w_up)
+    out = grouped(jax.nn.silu(gate) * up, w_down)  # [T*k, H]
+    weight = jnp.where(mine, routing.weights, 0.0).reshape(-1)[order]  # [T*k] float32
+    # Rows past the local groups were never multiplied: select, never scale, them away.
+    valid = sorted_experts < num_local
+    out = jnp.where(valid[:, None], out.astype(jnp.float32) * weight[:, None], 0.0)
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # [T*k, H]
+    return unsorted.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def dense_expert_mlp_reference(
+    x: jax.Array,  # [T, H]
+    routing: Routing,
+    w_gate: jax.Array,  # [E, I, H]
+    w_up: jax.Array,
+    w_down: jax.Array,  # [E, H, I]
+) -> jax.Array:  # [T, H]
+    """Every expert on every token, combined by one-hot routing weights (tests only)."""
+    num_experts = w_gate.shape[0]
+    one_hot = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [T, k, E]
+    combine = jnp.einsum("tk,tke->te", routing.weights, one_hot)  # [T, E]
+    gate = jnp.einsum("th,eih->tei", x, w_gate)
+    up = jnp.einsum("th,eih->tei", x, w_up)
+    out = jnp.einsum("tei,ehi->teh", jax.nn.silu(gate) * up, w_down)  # [T, E, H]
+    return jnp.einsum("te,teh->th", combine, out.astype(jnp.float32)).astype(x.dtype)
+
+
+def sharded_expert_mlp(
+    x: jax.Array,  # [T, H], replicated
+    routing: Routing,  # replicated
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    mesh: Mesh,
+    expert_parallel: bool,
+    backend: str = "reference",
+) -> jax.Array:  # [T, H], replicated
+    """`grouped_expert_mlp` on a `tp` mesh: each device computes a partial sum over what
+    it holds, then one all-reduce of `[T, H]` adds them.
+
+    Tensor parallel: every device holds every expert's slice of the intermediate axis
+    (gate/up split on I, down on its input I), as a dense MLP is split.
+
+    Expert parallel (gather-compute-reduce): each device holds E / ep whole experts and
+    runs the pairs routed to them. Attention is tensor parallel, so every device already
+    holds every token's hidden state after its all-reduce: dispatch moves nothing, and
+    combine is one all-reduce of `[T, H]`, ring cost `2 T H (ep - 1) / ep` values per
+    device. A ragged all-to-all would instead split the tokens (a reduce-scatter of
+    attention's output in place of its all-reduce), send each pair's hidden state to its
+    expert's device and back (`2 T k H (ep - 1) / ep^2` values), and all-gather before the
+    next attention: the all-to-all replaces one all-reduce, so it moves fewer bytes only
+    when k < ep. For the models served here k >= ep mostly (Qwen3-30B-A3B: k = 8, ep <= 8;
+    at ep = 4 in bfloat16 and H = 2048 the all-reduce sends 96 KiB per device at a
+    16-token decode and 12 MiB at a 2048-token prefill, the all-to-all 192 KiB and 24 MiB),
+    and the all-reduce needs no per-device capacity buffers sized for the worst routing.
+    (Mixtral's k = 2 at ep = 4 is the exception: the all-to-all would move half.) Expert
+    weights never move: each device multiplies only the experts it holds.
+    """
+    if expert_parallel:
+
+        def local(x, weights, experts, g, u, d):
+            first = jax.lax.axis_index(AXIS) * g.shape[0]
+            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, first, backend)
+            return jax.lax.psum(out, AXIS)
+
+        gate_spec = up_spec = down_spec = P(AXIS, None, None)
+    else:
+
+        def local(x, weights, experts, g, u, d):
+            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, 0, backend)
+            return jax.lax.psum(out, AXIS)
+
+        gate_spec = up_spec = P(None, AXIS, None)
+        down_spec = P(None, None, AXIS)
+    # Inside a pipeline stage (`pp` already manual) the split is over the context's mesh.
+    context = jax.sharding.get_abstract_mesh()
+    return jax.shard_map(
+        local,
+        mesh=context if context.manual_axes else mesh,
+        in_specs=(P(), P(), P(), gate_spec, up_spec, down_spec),
+        out_specs=P(),
+        check_vma=False,
+    )(x, routing.weights, routing.experts, w_gate, w_up, w_down)

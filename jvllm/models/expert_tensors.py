@@ -1,0 +1,127 @@
+"""A mixture-of-experts checkpoint's expert tensors, served under the model's names.
+
+The model holds each sparse layer's experts stacked, `model.layers.L.mlp.experts.
+{gate,up,down}_proj` `[E, out, in]`, and its router as `model.layers.L.mlp.gate.weight`.
+Checkpoints spell them two ways, both read here:
+
+- per expert, as the Hub stores them (and Transformers 5's `save_pretrained` writes
+  them): `mlp.experts.N.{gate,up,down}_proj.weight`, or Mixtral's
+  `block_sparse_moe.experts.N.{w1,w3,w2}.weight` with its router `block_sparse_moe.gate`;
+- fused, as Transformers 5 holds them in memory: `mlp.experts.gate_up_proj` `[E, 2I, H]`
+  (gate rows first) and `mlp.experts.down_proj` `[E, H, I]`.
+
+A stacked tensor is a `StackedExperts` view: indexing it reads only the experts (and
+rows) asked for from the memory maps, so placing it expert-parallel copies each device's
+slice alone and no host buffer holds a second full copy. Not owned here: the other
+tensors (passed through from the wrapped index) and where each slice goes
+(`parallel/loading.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from jvllm.models.spec import ModelSpec
+
+# The model's projection name -> Mixtral's per-expert name.
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+class TensorIndex(Protocol):
+    def names(self) -> set[str]: ...
+    def __contains__(self, name: str) -> bool: ...
+    def describe(self, name: str, shape: tuple[int, ...]) -> str: ...
+    def file(self, name: str) -> Path: ...
+    def array(self, name: str) -> np.ndarray: ...
+
+
+class StackedExperts:
+    """`[E, ...]` made of per-expert arrays (or row slices of a fused one), read lazily."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts  # E arrays (memory maps or views of one), all one shape
+        self.shape = (len(parts), *parts[0].shape)
+        self.dtype = parts[0].dtype
+
+    def __getitem__(self, index: tuple[slice, ...] | slice) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        experts = range(*index[0].indices(len(self.parts)))
+        return np.stack([np.asarray(self.parts[e][index[1:]]) for e in experts])
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+class ExpertCheckpoint:
+    """The wrapped index, plus every sparse layer's stacked experts and router under the
+    model's names; per-expert and fused tensors are consumed by the stacked names."""
+
+    def __init__(self, index: TensorIndex, spec: ModelSpec) -> None:
+        assert spec.moe is not None
+        self.index = index
+        self.spec = spec
+        # model name -> the checkpoint tensors it is made of
+        self._sources: dict[str, list[str]] = {}
+        for layer in spec.moe.sparse_layers:
+            self._add_layer(f"model.layers.{layer}.")
+
+    def _add_layer(self, prefix: str) -> None:
+        e = self.spec.moe.num_experts
+        for block in ("mlp", "block_sparse_moe"):
+            if f"{prefix}{block}.gate.weight" in self.index:
+                self._sources[f"{prefix}mlp.gate.weight"] = [f"{prefix}{block}.gate.weight"]
+        for proj, mixtral in _MIXTRAL_NAMES.items():
+            model = f"{prefix}mlp.experts.{proj}"
+            for block, leaf in (("mlp", proj), ("block_sparse_moe", mixtral)):
+                names = [f"{prefix}{block}.experts.{n}.{leaf}.weight" for n in range(e)]
+                if any(n in self.index for n in names):
+                    self._sources[model] = names
+            fused = f"{prefix}mlp.experts.gate_up_proj"
+            if proj != "down_proj" and fused in self.index:
+                self._sources[model] = [fused]
+            if proj == "down_proj" and model in self.index:
+                self._sources[model] = [model]
+
+    def names(self) -> set[str]:
+        consumed = {n for names in self._sources.values() for n in names}
+        return (self.index.names() - consumed) | set(self._sources)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sources or name in self.index
+
+    def describe(self, name: str, shape: tuple[int, ...]) -> str:
+        if ".mlp.experts." in name:
+            forms = "per-expert `experts.N.*.weight` or fused `experts.gate_up_proj`"
+            return f"{name!r} of shape {shape} ({forms})"
+        return self.index.describe(name, shape)
+
+    def file(self, name: str) -> Path:
+        return self.index.file(self._sources.get(name, [name])[0])
+
+    def array(self, name: str) -> np.ndarray | StackedExperts:
+        sources = self._sources.get(name)
+        if sources is None:
+            return self.index.array(name)
+        if len(sources) > 1:  # one tensor per expert
+            missing = [n for n in sources if n not in self.index]
+            if missing:
+                raise ValueError(
+                    f"checkpoint lacks expert tensor {missing[0]!r} "
+                    f"({len(missing)} of {len(sources)} experts of {name!r} missing)"
+                )
+            return StackedExperts([self.index.array(n) for n in sources])
+        whole = self.index.array(sources[0])
+        if not sources[0].endswith(".gate_up_proj"):
+            return whole
+        half = self.spec.moe.intermediate_size
+        if whole.shape[1] != 2 * half:
+            raise ValueError(
+                f"{self.index.file(sources[0])}: tensor {sources[0]!r} has shape "
+                f"{whole.shape}, expected [E, {2 * half}, H] from config.json"
+            )
+        rows = slice(0, half) if name.endswith(".gate_proj") else slice(half, 2 * half)
+        return StackedExperts([whole[e, rows] for e in range(whole.shape[0])])
