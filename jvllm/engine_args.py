@@ -29,7 +29,7 @@ from jvllm.config import (
     SpeculativeConfig,
 )
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.engine.scheduler import check_kv_capacity
+from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model

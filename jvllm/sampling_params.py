@@ -12,9 +12,9 @@ import functools
 import json as jsonlib
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -283,26 +283,3 @@ def _token_id(value: object) -> bool:
 
 def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-class SamplingRow(NamedTuple):
-    """One batch row as the sampler sees it: the request's parameters, its resolved
-    seed, how many tokens it has generated so far, and its token history. A NamedTuple:
-    the engine builds one per row and step, and a tuple is built several times faster
-    than a frozen dataclass."""
-
-    params: SamplingParams
-    seed: int  # resolved per sequence by the engine, in [0, 2**32)
-    step_index: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    # Tokens that may not be sampled this step (EOS and stop ids before min_tokens).
-    banned_token_ids: Sequence[int] = ()
-    # The latest output token is still on the device (not in output_token_ids): it is
-    # the row's input token, and the sampler adds it to the penalty history there.
-    pending_output: bool = False
-    # Speculative decoding with a draft model: the draft token proposed for this
-    # position and the row of the proposal's probabilities q that it was drawn from
-    # (-1: none; the sampler then draws as usual).
-    draft_token_id: int = -1
-    draft_q_row: int = -1

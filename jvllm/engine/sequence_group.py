@@ -17,10 +17,10 @@ import numpy as np
 
 from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.scheduler import ScheduledRequest
+from jvllm.engine.step_io import SamplingRow, ScheduledRequest, StepResult
 from jvllm.engine.token_constraints import Constraints
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class SequenceState:
@@ -141,7 +141,7 @@ class SequenceState:
             )
         )
 
-    def add_token(self, result: Any, row: int, token: int, num_out: int) -> bool:
+    def add_token(self, result: StepResult, row: int, token: int, num_out: int) -> bool:
         """Records `token`, the one the scheduler appended from `result` (the runner's
         StepResult) at its sampling row `row`, the output's `num_out`-th. False when it
         certainly ends nothing (most tokens): no stop or EOS token, below the length

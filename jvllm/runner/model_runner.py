@@ -9,7 +9,8 @@ host sync between them (the logits never leave the device), so sampling options
 that change the sampler's shapes (penalty history width) never recompile the
 model. The KV cache is donated to every call and so updated in place.
 
-`dispatch()` returns at once with a `PendingStep`; its `result()` is the one sync.
+`forward()` then `sample()` (the engine's `StepRunner` calls) return at once, the
+second with a `PendingStep`; its `result()` is the one sync.
 The sampled tokens of the latest step also stay on the device (`last_sampled`,
 padded to the largest row bucket), where the next step's placeholder tokens read
 them, so the host can prepare step N + 1 while step N runs.
@@ -42,12 +43,10 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine.llm_engine import LateSampling
-from jvllm.engine.spec_decode import DraftRow
+from jvllm.engine.step_io import DraftRow, SamplingRow, SchedulerOutput, StepSampling
 from jvllm.kernels import cpu_attention
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
-from jvllm.layers.sampler import SamplingRow
 from jvllm.models.eagle import EagleHead
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
@@ -76,7 +75,7 @@ from jvllm.runner.step_programs import (
     group_rows_on,
     params_platform,
 )
-from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
+from jvllm.runner.step_result import PendingStep, split_by_row
 from jvllm.sampling_params import SamplingParams
 
 MIN_TOKEN_BUCKET = 16
@@ -126,6 +125,7 @@ class ModelRunner:
         self.publisher: StepPublisher | None = None
         # The last forward's logits, hidden states, last input tokens and shape.
         self._last_forward: _Forward | None = None
+        self._forward_rows: Sequence[StepRow] | None = None  # the forward `sample` follows
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
@@ -486,41 +486,37 @@ class ModelRunner:
             chunk += [(0, 0)] * (self.max_num_seqs - len(chunk))  # null-block no-ops
             self._launch_copy(np.array(chunk, np.int32).T)
 
-    def dispatch(
-        self,
-        rows: Sequence[StepRow],
-        sampling_rows: Sequence[SamplingRow] | LateSampling,
-        prompt_targets: Sequence[Sequence[int]] | None = None,
-        token_bitmask: np.ndarray | None = None,
-        block_tables: np.ndarray | None = None,
-    ) -> PendingStep:
-        """Queues one engine step (forward, then sampling of every row) on the device and
-        returns without waiting for it. `prompt_targets`, per row and new token, names
-        the next prompt token to score (prompt logprobs); any id where none is wanted.
-        `token_bitmask` `i32[len(rows), ceil(V/32)]` masks the rows' allowed tokens. A
-        callable `sampling_rows` is called once the forward is queued, for the sampling
-        rows and the bitmask (host work that overlaps the forward). A row verifying k
-        draft tokens takes 1 + k consecutive sampling rows (and bitmask rows), one per
-        position it scores. `block_tables` holds each row's table as its `table_row`
-        (the scheduler's persistent array); without it the rows' lists are packed."""
-        _, _, _, shape = self._run_forward(rows, block_tables=block_tables)
-        if callable(sampling_rows):
-            sampling_rows, token_bitmask = sampling_rows()
-        assert len(sampling_rows) == len(rows) + total_spec_tokens(rows)
+    def forward(self, scheduled: SchedulerOutput) -> None:
+        """Queues the model over the step's rows and returns without waiting; its
+        logits stay on the device for `sample`. Each row's block table is read from
+        `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
+        rows = scheduled.scheduled
+        self._run_forward(rows, block_tables=scheduled.block_tables)
+        self._forward_rows = rows
+
+    def sample(self, sampling: StepSampling) -> PendingStep:
+        """Queues the sampler over the logits of the forward queued last and returns
+        without waiting: `result()` on what it returns is the step's one sync. A row
+        verifying k draft tokens takes 1 + k consecutive sampling rows (and bitmask
+        rows), one per position it scores."""
+        assert self._last_forward is not None and self._forward_rows is not None
+        rows, shape = self._forward_rows, self._last_forward[3]
+        self._forward_rows = None  # one sample per forward
+        assert len(sampling.rows) == len(rows) + total_spec_tokens(rows)
         num_rows = self.sampling_rows(shape)
-        md = sampler.make_sampling_metadata(sampling_rows, num_rows)
+        md = sampler.make_sampling_metadata(sampling.rows, num_rows)
         padded = None
-        if token_bitmask is not None:
-            padded = np.full((num_rows, token_bitmask.shape[1]), -1, np.int32)
-            padded[: len(token_bitmask)] = token_bitmask
+        if sampling.token_bitmask is not None:
+            bitmask = sampling.token_bitmask  # [len(sampling.rows), W] int32
+            padded = np.full((num_rows, bitmask.shape[1]), -1, np.int32)
+            padded[: len(bitmask)] = bitmask
         targets = None
-        if prompt_targets is not None:
-            targets = np.full(self.scored_positions(shape), -1, np.int32)
-            flat = [t for row in prompt_targets for t in row]
+        if sampling.prompt_targets is not None:
+            targets = np.full(self.scored_positions(shape), -1, np.int32)  # [T'] int32
+            flat = [t for row in sampling.prompt_targets for t in row]
             targets[: len(flat)] = flat
         out, scored = self._launch_sample(md, padded, targets)
-        lengths = row_lengths(rows)
-        return PendingStep(out, scored, lengths, len(sampling_rows))
+        return PendingStep(out, scored, row_lengths(rows), len(sampling.rows))
 
     def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
         """The proposer's k tokens for each row (waited for); their distributions stay
@@ -549,15 +545,6 @@ class ModelRunner:
         host = np.asarray(self._launch_propose(inputs))
         return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]
 
-    def execute(
-        self,
-        rows: Sequence[StepRow],
-        sampling_rows: Sequence[SamplingRow],
-        prompt_targets: Sequence[Sequence[int]] | None = None,
-    ) -> StepResult:
-        """One engine step, waited for: `dispatch(...).result()`."""
-        return self.dispatch(rows, sampling_rows, prompt_targets).result()
-
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False
     ) -> list[np.ndarray]:
@@ -581,7 +568,7 @@ class ModelRunner:
         self._warm_up_prompt_logprobs(hidden, shape)
 
     def _warm_up_sampler(self, logits: jax.Array, last_input: jax.Array, num_rows: int) -> None:
-        greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
+        greedy = SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
         md = self._put(sampler.make_sampling_metadata([greedy], num_rows))
         if self.group_rows is not None:  # one program, the bitmask inside
             out = self._sample_fn(logits, md, last_input, self.draft_probs, self.allow_all)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from jvllm.engine.step_io import SamplingRow
 from jvllm.layers.sampler import (
     MIN_BIAS_ENTRIES,
     MIN_PENALTY_ENTRIES,
     SamplerOutput,
     SamplingMetadata,
-    SamplingRow,
     apply_penalties,
     apply_token_bitmask,
     argmax_rows,
