@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jvllm.engine.step_io import SamplingRow
+from jvllm.sampling_params import SAMPLER_CONSTANTS
 
 # The runner builds these on the host as numpy; inside jit they are jax arrays.
 Array = jax.Array | np.ndarray
@@ -105,14 +106,17 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
     if len(rows) > num_rows:
         raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
     n = len(rows)
-    # Every row's request constants (`SamplingParams.sampler_constants`), as [n, 8].
-    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), np.float64).reshape(n, 8)
+    # [n] structured: every row's request constants by name (`sampler_constants`).
+    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), SAMPLER_CONSTANTS)
     biased = [i for i, r in enumerate(rows) if r.banned_token_ids or r.params.logit_bias]
     needed = bias_entries_needed([rows[i] for i in biased])
     num_bias = max(MIN_BIAS_ENTRIES, 1 << max(needed - 1, 0).bit_length())
     # `SamplingParams.uses_penalties` of each row, read from its constants at once.
-    penalties = constants[:, 4:7]
-    penalised = np.flatnonzero((penalties != (0.0, 0.0, 1.0)).any(axis=1)).tolist()
+    penalised = np.flatnonzero(
+        (constants["presence_penalty"] != 0.0)
+        | (constants["frequency_penalty"] != 0.0)
+        | (constants["repetition_penalty"] != 1.0)
+    ).tolist()
     histories = [_penalty_entries(rows[i]) for i in penalised]
     num_history = sum(len(ids) for ids, _ in histories)
     num_penalty = max(MIN_PENALTY_ENTRIES, 1 << max(num_history - 1, 0).bit_length())
@@ -145,15 +149,15 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
 
 
 def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow], constants: np.ndarray) -> None:
-    """Per-row scalars: each row's request constants (`constants`, the rows'
-    `SamplingParams.sampler_constants` as [rows, 8]) and its own five integers, each
-    kind gathered in one pass (the per-step host cost at hundreds of rows)."""
+    """Per-row scalars: each row's request constants (`constants`, structured [rows])
+    and its own integers, each gathered in one pass over the rows (the per-step host
+    cost at hundreds of rows)."""
     n = len(rows)
     if not n:
         return
     flat = itertools.chain.from_iterable(map(_ROW_INTS, rows))
-    own = np.fromiter(flat, np.int64, 5 * n).reshape(n, 5)
-    seeds, steps = own[:, 0], own[:, 1]
+    own = np.fromiter(flat, np.int64, len(_OWN_INT_FIELDS) * n).view(_OWN_INTS)  # [n]
+    seeds, steps = own["seed"], own["step_index"]
     bad = np.flatnonzero((seeds < 0) | (seeds > _U32_MAX))
     if bad.size:
         raise ValueError(f"row {bad[0]}: seed must be in [0, 2**32), got {seeds[bad[0]]}")
@@ -162,28 +166,17 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow], constants: 
         raise ValueError(f"row {bad[0]}: step_index must be >= 0, got {steps[bad[0]]}")
     md.seeds[:n] = seeds
     md.step_index[:n] = steps
-    md.pending_output[:n] = own[:, 2]
-    md.draft_token_ids[:n] = own[:, 3]
-    md.draft_q_rows[:n] = own[:, 4]
-    columns = (
-        md.temperature,
-        md.top_p,
-        md.top_k,
-        md.min_p,
-        md.presence_penalty,
-        md.frequency_penalty,
-        md.repetition_penalty,
-        md.want_logprobs,
-    )
-    for j, column in enumerate(columns):
-        column[:n] = constants[:, j]
+    md.pending_output[:n] = own["pending_output"]
+    md.draft_token_ids[:n] = own["draft_token_id"]
+    md.draft_q_rows[:n] = own["draft_q_row"]
+    for name in SAMPLER_CONSTANTS.names:
+        getattr(md, name)[:n] = constants[name]
 
 
-_ROW_INTS = operator.attrgetter(
-    "seed", "step_index", "pending_output", "draft_token_id", "draft_q_row"
-)
-
-
+# A SamplingRow's own integers, and its request's constants, as named numpy fields.
+_OWN_INT_FIELDS = ("seed", "step_index", "pending_output", "draft_token_id", "draft_q_row")
+_OWN_INTS = np.dtype([(name, np.int64) for name in _OWN_INT_FIELDS])
+_ROW_INTS = operator.attrgetter(*_OWN_INT_FIELDS)
 _ROW_CONSTANTS = operator.attrgetter("params.sampler_constants")
 
 
