@@ -52,22 +52,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 class StepClock:
-    """Wraps a runner's `dispatch`: each step's queued time, its finished time (set by a
-    watcher thread), and how many rows it ran."""
+    """Wraps a runner's `sample` (which queues the step's last program): each step's
+    queued time, its finished time (set by a watcher thread), and how many rows it ran."""
 
     def __init__(self, runner: Any) -> None:
         self.queued: list[float] = []
         self.finished: list[float] = []
         self.rows: list[int] = []
         self._pending: queue.Queue[Any] = queue.Queue()
-        self._dispatch = runner.dispatch
-        runner.dispatch = self.dispatch
+        self._forward, self._sample = runner.forward, runner.sample
+        runner.forward, runner.sample = self.forward, self.sample
+        self._num_rows = 0
         threading.Thread(target=self._watch, daemon=True, name="step-clock").start()
 
-    def dispatch(self, rows: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
-        pending = self._dispatch(rows, *args, **kwargs)
+    def forward(self, scheduled: Any) -> None:
+        self._forward(scheduled)
+        self._num_rows = len(scheduled.scheduled)
+
+    def sample(self, sampling: Any) -> Any:
+        pending = self._sample(sampling)
         self.queued.append(time.perf_counter())
-        self.rows.append(len(rows))
+        self.rows.append(self._num_rows)
         self._pending.put(pending.out.token_ids)
         return pending
 

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -60,8 +61,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def child(source: str, kind: str, num_seqs: int, steps: int) -> None:
     """Runs under callgrind: collection covers exactly `steps` decode steps."""
-    sys.path.insert(0, source)  # the measured jvllm; `bench` is already this checkout's
-    from bench import host_overhead
+    sys.path.insert(0, source)  # the measured jvllm
+    # The source's own engine set-up: its runner speaks that source's runner protocol.
+    spec = importlib.util.spec_from_file_location(
+        "host_overhead_measured", Path(source) / "bench" / "host_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    host_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_overhead)
     from jvllm.engine.gc_heap import serving_gc
 
     args = host_overhead.parse_args(["--num-seqs", str(num_seqs), "--output-kind", kind])

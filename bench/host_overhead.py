@@ -51,12 +51,12 @@ from jvllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
 from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.request import Request
-from jvllm.engine.scheduler import Scheduler
+from jvllm.engine.scheduling.scheduler import Scheduler
+from jvllm.engine.step_io import SamplingRow, StepResult
 from jvllm.layers.sampler import make_sampling_metadata
 from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET
-from jvllm.runner.step_result import StepResult
-from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
@@ -166,25 +166,19 @@ class NoDeviceRunner:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pass
 
-    def dispatch(
-        self,
-        rows: Sequence[Any],
-        sampling_rows: Sequence[Any] | Callable[[], Any],
-        want: Any = None,
-        token_bitmask: Any = None,
-        block_tables: Any = None,
-    ) -> Any:
-        # As ModelRunner counts them (input_batch.total_tokens, which an older checkout
-        # measured by host_instructions.py --baseline-src may lack).
-        shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
-        if block_tables is None:  # an older engine (host_instructions.py --baseline-src)
-            pack_rows(rows, shape, self.setup.args.block_size)
-        else:
-            pack_rows(rows, shape, self.setup.args.block_size, block_tables)
-        if callable(sampling_rows):  # a LateSampling: the engine's rows and bitmask
-            sampling_rows, _ = sampling_rows()
-        make_sampling_metadata(sampling_rows, shape.num_seqs)
-        n, start = len(rows), (self.calls * 7919) % (len(self.setup.sampled) - len(rows))
+    def forward(self, scheduled: Any) -> None:
+        rows = scheduled.scheduled
+        # As ModelRunner counts them (input_batch.total_tokens).
+        self.shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
+        self.rows = rows
+        pack_rows(rows, self.shape, self.setup.args.block_size, scheduled.block_tables)
+
+    def sample(self, sampling: Any) -> _Done:
+        make_sampling_metadata(sampling.rows, self.shape.num_seqs)
+        return self._result(len(self.rows))
+
+    def _result(self, n: int) -> _Done:
+        start = (self.calls * 7919) % (len(self.setup.sampled) - n)
         self.calls += 1
         tokens = np.array(self.setup.sampled[start : start + n], np.int32)
         zeros = np.zeros((n, 1), np.float32)

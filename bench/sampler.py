@@ -76,6 +76,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     import jvllm
+    from jvllm.engine.step_io import SamplingRow
     from jvllm.layers import sampler
     from jvllm.runner import memory
     from jvllm.sampling_params import SamplingParams
@@ -102,7 +103,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         for name, knobs in SETTINGS.items():
             params = SamplingParams(**knobs)
-            rows = [sampler.SamplingRow(params, i, 0, (), ()) for i in range(num_rows - 2)]
+            rows = [SamplingRow(params, i, 0, (), ()) for i in range(num_rows - 2)]
             md = jax.device_put(sampler.make_sampling_metadata(rows, padded))
             calls[f"sample {name}"] = (sample, (logits, md, last))
         real = logits[:num_rows]

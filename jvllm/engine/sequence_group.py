@@ -7,7 +7,6 @@ is a group of n sibling sequences that the scheduler runs as separate requests.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,10 +16,10 @@ import numpy as np
 
 from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.scheduler import ScheduledRequest
+from jvllm.engine.step_io import SamplingRow, ScheduledRequest, StepResult
 from jvllm.engine.token_constraints import Constraints
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from jvllm.sampling_params import RequestOutputKind, SamplingParams, SamplingRow
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class SequenceState:
@@ -98,18 +97,13 @@ class SequenceState:
         pending = row.prev_step_row is not None and placeholders > 1
         if step_index >= self._bans_until and drafts is None and draft is None:
             # Most rows: nothing banned, no drafts.
-            return _new_sampling_row(
-                (
-                    r.sampling_params,
-                    self.seed,
-                    step_index,
-                    r.prompt_token_ids,
-                    outputs,
-                    (),
-                    pending,
-                    -1,
-                    -1,
-                )
+            return SamplingRow(
+                r.sampling_params,
+                self.seed,
+                step_index,
+                r.prompt_token_ids,
+                outputs,
+                pending_output=pending,
             )
         params = r.sampling_params
         if drafts:
@@ -127,21 +121,19 @@ class SequenceState:
             assert not (pending and bad_words.needs_history), r
             banned = [*banned, *bad_words.banned(outputs)]
         draft_token, q_row = draft if draft is not None else (-1, -1)
-        return _new_sampling_row(
-            (
-                params,
-                self.seed,
-                step_index,
-                r.prompt_token_ids,
-                outputs,
-                banned,
-                pending,
-                draft_token,
-                q_row,
-            )
+        return SamplingRow(
+            params,
+            self.seed,
+            step_index,
+            r.prompt_token_ids,
+            outputs,
+            banned_token_ids=banned,
+            pending_output=pending,
+            draft_token_id=draft_token,
+            draft_q_row=q_row,
         )
 
-    def add_token(self, result: Any, row: int, token: int, num_out: int) -> bool:
+    def add_token(self, result: StepResult, row: int, token: int, num_out: int) -> bool:
         """Records `token`, the one the scheduler appended from `result` (the runner's
         StepResult) at its sampling row `row`, the output's `num_out`-th. False when it
         certainly ends nothing (most tokens): no stop or EOS token, below the length
@@ -322,9 +314,6 @@ class SequenceGroup:
         )
 
 
-# A SamplingRow from a tuple of all its fields, without the Python-level __new__ a
-# NamedTuple's constructor runs (built per row and step).
-_new_sampling_row = functools.partial(tuple.__new__, SamplingRow)
 # Read once per request and step: module constants, not attributes of the enum class.
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

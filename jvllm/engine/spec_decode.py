@@ -19,28 +19,15 @@ kept draft is one step saved.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
 from jvllm.config import SpeculativeConfig
+from jvllm.engine.metrics import SpecDecodeStats
 from jvllm.engine.ngram_proposer import NgramProposer
 from jvllm.engine.request import Request
-
-
-class DraftRow(NamedTuple):
-    """One sequence a proposer drafts for: from its newest token, `num_tokens` more."""
-
-    token_id: int
-    # A draft model's first step: token_id's own (the sequence's length - 1); an EAGLE
-    # head's: the one before, whose entry pairs with token_id.
-    position: int
-    block_table: Sequence[int]  # covers position + num_tokens - 1 (lookahead slots)
-    num_tokens: int
-    seed: int
-    step_index: int  # output tokens so far: the first draft's output index
-    temperature: float
-    feature_row: int = 0  # EAGLE: the step's logits row that token_id was drawn from
+from jvllm.engine.step_io import DraftModel, DraftRow
 
 
 class StepSequence(NamedTuple):
@@ -60,12 +47,6 @@ def verify(drafts: Sequence[int], sampled: np.ndarray) -> list[int]:
     while accepted < len(drafts) and int(sampled[accepted]) == drafts[accepted]:
         accepted += 1
     return [int(t) for t in sampled[: accepted + 1]]
-
-
-class DraftModel(Protocol):
-    """The runner's side of a draft model (`jvllm.runner.ModelRunner.propose`)."""
-
-    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]: ...
 
 
 class Speculator:
@@ -194,20 +175,10 @@ class Speculator:
         for pos in range(accepted):
             self.accepted_per_pos[pos] += 1
 
-    def metrics(self) -> dict[str, Any]:
-        """vLLM's names; the per-position counts are a list, position 0 first."""
-        return spec_metrics(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
         )
-
-
-def spec_metrics(
-    drafts: int = 0, draft_tokens: int = 0, accepted: int = 0, per_pos: Sequence[int] = ()
-) -> dict[str, Any]:
-    """The spec_decode_* entries of get_metrics() (all zero without speculation)."""
-    return {
-        "spec_decode_num_drafts": drafts,
-        "spec_decode_num_draft_tokens": draft_tokens,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
-    }

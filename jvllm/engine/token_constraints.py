@@ -12,14 +12,15 @@ masks on device; grammars themselves are `structured_output.py`'s. Host only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from jvllm.engine.step_io import SamplingRow
 from jvllm.engine.structured_output import GrammarCompiler, GrammarMatcher, fill_bitmasks
-from jvllm.sampling_params import SamplingParams, SamplingRow
+from jvllm.sampling_params import SamplingParams
 
 # Rows that do not sample this step (a prompt chunk short of its end) still fill a row.
 IDLE_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
@@ -114,20 +115,20 @@ def step_sampling(
     states: Sequence[Any],
     rows: Sequence[Any],
     eos_token_ids: frozenset[int],
-    masked_ids: Collection[str],
+    any_masked: bool,
     compiler: GrammarCompiler,
     vocab_size: int,
 ) -> tuple[list[SamplingRow], np.ndarray | None]:
     """The step's sampling rows (each state's `sampling_row`; 1 + k consecutive ones for
     a row verifying k draft tokens), and its token bitmask `i32[sampling rows, W]` where
-    some row's request is in `masked_ids`."""
+    some row's constraints mask tokens (`any_masked` says whether any live one does)."""
     sampling_rows: list[SamplingRow] = []
     masked: list[tuple[int, Constraints]] = []
     for state, row in zip(states, rows, strict=True):
         if not row.samples or state.finished:  # finished: dropped at commit, unseen
             sampling_rows += [IDLE_ROW] * (1 + row.num_spec_tokens)
             continue
-        if masked_ids and row.request_id in masked_ids:
+        if any_masked and state.constraints.masks:
             masked += [
                 (len(sampling_rows) + j, state.constraints) for j in range(1 + row.num_spec_tokens)
             ]

@@ -9,7 +9,8 @@ host sync between them (the logits never leave the device), so sampling options
 that change the sampler's shapes (penalty history width) never recompile the
 model. The KV cache is donated to every call and so updated in place.
 
-`dispatch()` returns at once with a `PendingStep`; its `result()` is the one sync.
+`forward()` then `sample()` (the engine's `StepRunner` calls) return at once, the
+second with a `PendingStep`; its `result()` is the one sync.
 The sampled tokens of the latest step also stay on the device (`last_sampled`,
 padded to the largest row bucket), where the next step's placeholder tokens read
 them, so the host can prepare step N + 1 while step N runs.
@@ -29,10 +30,8 @@ hold (compiled, or read from the `ExecutableStore` of an earlier start), one per
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +41,14 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine.llm_engine import LateSampling
-from jvllm.engine.spec_decode import DraftRow
-from jvllm.kernels import cpu_attention
+from jvllm.engine.step_io import DraftRow, SchedulerOutput, StepSampling
 from jvllm.layers import sampler
-from jvllm.layers.attention import KVCache
-from jvllm.layers.sampler import SamplingRow
 from jvllm.models.eagle import EagleHead
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
-from jvllm.parallel.mesh import cache_sharding, pp_size, replicated
+from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import schedule_utilization
-from jvllm.parallel.step_channel import StepMessage, StepPublisher
-from jvllm.runner.block_copies import SWAP_BUCKETS, BlockCopier
+from jvllm.parallel.step_channel import StepPublisher
+from jvllm.runner.block_copies import BlockCopier
 from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
@@ -68,23 +63,22 @@ from jvllm.runner.input_batch import (
     total_spec_tokens,
     total_tokens,
 )
+from jvllm.runner.launches import Forward, Launches
 from jvllm.runner.memory import retain_freed_host_memory
-from jvllm.runner.programs import ExecutableStore, Program, scope_digest
+from jvllm.runner.programs import Program
+from jvllm.runner.start_up import StartUp
 from jvllm.runner.step_programs import (
     SCORE_GROUP_TOKENS_CPU,
     StepPrograms,
     group_rows_on,
     params_platform,
 )
-from jvllm.runner.step_result import PendingStep, StepResult, split_by_row
-from jvllm.sampling_params import SamplingParams
+from jvllm.runner.step_result import PendingStep, split_by_row
 
 MIN_TOKEN_BUCKET = 16
-# A forward's logits, hidden states, last input tokens and shape (`_run_forward`).
-_Forward = tuple[jax.Array, jax.Array, jax.Array, BatchShape]
 
 
-class ModelRunner:
+class ModelRunner(StartUp, Launches):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -125,7 +119,8 @@ class ModelRunner:
         # Multi-host serving's leader: where each launch is published for the followers.
         self.publisher: StepPublisher | None = None
         # The last forward's logits, hidden states, last input tokens and shape.
-        self._last_forward: _Forward | None = None
+        self._last_forward: Forward | None = None
+        self._forward_rows: Sequence[StepRow] | None = None  # the forward `sample` follows
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
@@ -240,52 +235,7 @@ class ModelRunner:
         )
         return sum(len(fn.executables) for fn in jitted)
 
-    def _executable_store(self, directory: Path | None) -> ExecutableStore | None:
-        """The store of this runner's programs: one scope per model, engine configuration
-        and set of devices. Multi-process meshes compile every start."""
-        if directory is None or jax.process_count() > 1:
-            return None
-        if self.model.module.backend == "cpu":
-            # A stored program calls the C++ kernel by its FFI name, which a trace would
-            # otherwise have registered.
-            cpu_attention.register()
-        drafter = None if self.drafter is None else self.drafter.model.module
-        configuration = (
-            self.model.module,
-            drafter,
-            self.kv_dtype,
-            self.num_blocks,
-            self.width,
-            self.token_buckets,
-            self.max_num_seqs,
-            self.num_lookahead_tokens,
-            self.num_micro,
-            self.mesh,
-            sorted(self.step_programs.bring_in_shardings.items()),
-        )
-        return ExecutableStore(directory, scope_digest(configuration))
-
     # -- host side --
-
-    def _layer_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
-        """Each KV layer's K (and V) shape: the target's layers, then the draft's. With
-        pipeline stages, a stage's j-th layer and every other stage's are one array."""
-        if self.pp > 1:
-            shape = (self.pp, num_blocks, self.block_size, self.spec.num_kv_heads)
-            return [(*shape, self.spec.head_dim)] * (self.spec.num_layers // self.pp)
-        specs = [self.spec] + ([self.drafter.model.spec] if self.drafter is not None else [])
-        return [
-            (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-            for s in specs
-            for _ in range(s.num_layers)
-        ]
-
-    def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
-        # KV heads split across the mesh; on one device, see _device_array.
-        sharding = cache_sharding(self.mesh) or self._device_memory()
-        # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
-        zeros = lambda shape: jnp.zeros(shape, self.kv_dtype, device=sharding)
-        return [(zeros(shape), zeros(shape)) for shape in self._layer_shapes(num_blocks)]
 
     @property
     def host_caches(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -379,106 +329,6 @@ class ModelRunner:
         assert self._last_forward is not None
         return self._last_forward
 
-    # -- launches: each device program that takes host inputs. A multi-host leader also
-    # publishes each (`publisher`), and its followers run the same (`follow`). --
-
-    def _publish(self, op: str, statics: dict[str, int], **arrays: np.ndarray | None) -> None:
-        """Only on a multi-host leader (callers check `publisher` first: one step's
-        message costs dict building the single-host path does not need)."""
-        assert self.publisher is not None
-        present = {k: v for k, v in arrays.items() if v is not None}
-        self.publisher.publish(StepMessage(op, statics, present))
-
-    def _launch_forward(self, packed: np.ndarray, shape: BatchShape) -> None:
-        if self.publisher is not None:
-            self._publish("forward", dataclasses.asdict(shape), packed=packed)
-        draft_params = self.drafter.model.params if self.drafter is not None else None
-        logits, hidden, self.caches, last_input, features = self._forward_fn(
-            self.model.params,
-            self.caches,
-            self._put(packed),
-            self.last_sampled,
-            shape=shape,
-            draft_params=draft_params,
-            logits_buffer=self.logits_buffer,
-        )
-        if self.logits_buffer is not None:
-            self.logits_buffer = logits
-        if features is not None:
-            self.features = features
-        self._last_forward = (logits, hidden, last_input, shape)
-
-    def _launch_sample(
-        self,
-        md: sampler.SamplingMetadata,
-        bitmask: np.ndarray | None = None,
-        targets: np.ndarray | None = None,
-    ) -> tuple[sampler.SamplerOutput, tuple[jax.Array, ...] | None]:
-        """Samples the last forward's logits rows (masked by `bitmask` when given) and,
-        with `targets`, scores its every position (prompt logprobs)."""
-        if self.publisher is not None:
-            fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
-            self._publish("sample", {}, bitmask=bitmask, targets=targets, **fields)
-        assert self._last_forward is not None
-        logits, hidden, last_input, _ = self._last_forward
-        mask = ()  # grouped sampling: the bitmask, applied inside the sampler's groups
-        if self.group_rows is not None:
-            mask = (self.allow_all if bitmask is None else self._put(bitmask),)
-        elif bitmask is not None:
-            logits = self._mask_fn(logits, self._put(bitmask))
-        out, self.last_sampled = self._sample_fn(
-            logits, self._put(md), last_input, self.draft_probs, *mask
-        )
-        scored = None
-        if targets is not None:
-            scored = self._all_logprobs_fn(self.model.params, hidden, self._put(targets))
-        return out, scored
-
-    def _launch_copy(self, pairs: np.ndarray) -> None:
-        if self.publisher is not None:
-            self._publish("copy", {}, pairs=pairs)
-        src, dst = self._put(pairs)
-        self.caches = self.blocks.copy_fn(self.caches, src, dst)
-
-    def _launch_propose(self, inputs: ProposalInputs) -> jax.Array:
-        if self.publisher is not None:
-            self._publish("propose", {}, **inputs._asdict())
-        assert self.drafter is not None
-        drafts, self.draft_probs, self.caches = self._propose_fn(
-            self.drafter.model.params,
-            self.model.params,
-            self.caches,
-            self._put(inputs),
-            self.features,
-        )
-        return drafts
-
-    def apply(self, message: StepMessage) -> None:
-        """Runs one program a multi-host leader published (on a follower)."""
-        a = message.arrays
-        if message.op == "forward":
-            self._launch_forward(a["packed"], BatchShape(**message.statics))
-        elif message.op == "sample":
-            names = [f.name for f in dataclasses.fields(sampler.SamplingMetadata)]
-            md = sampler.SamplingMetadata(**{name: a[name] for name in names})
-            self._launch_sample(md, a.get("bitmask"), a.get("targets"))
-        elif message.op == "copy":
-            self._launch_copy(a["pairs"])
-        elif message.op == "propose":
-            self._launch_propose(ProposalInputs(**a))
-        else:
-            raise ValueError(f"unknown step message {message.op!r}")
-
-    def follow(self, receive: Callable[[], StepMessage]) -> int:
-        """A follower's loop: runs the leader's programs in order until it says stop;
-        returns how many it ran."""
-        count = 0
-        while (message := receive()).op != "stop":
-            self.apply(message)
-            count += 1
-        jax.block_until_ready(self.caches)
-        return count
-
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: whole-block copies, applied before the step that needs them."""
         for lo in range(0, len(pairs), self.max_num_seqs):
@@ -486,41 +336,37 @@ class ModelRunner:
             chunk += [(0, 0)] * (self.max_num_seqs - len(chunk))  # null-block no-ops
             self._launch_copy(np.array(chunk, np.int32).T)
 
-    def dispatch(
-        self,
-        rows: Sequence[StepRow],
-        sampling_rows: Sequence[SamplingRow] | LateSampling,
-        prompt_targets: Sequence[Sequence[int]] | None = None,
-        token_bitmask: np.ndarray | None = None,
-        block_tables: np.ndarray | None = None,
-    ) -> PendingStep:
-        """Queues one engine step (forward, then sampling of every row) on the device and
-        returns without waiting for it. `prompt_targets`, per row and new token, names
-        the next prompt token to score (prompt logprobs); any id where none is wanted.
-        `token_bitmask` `i32[len(rows), ceil(V/32)]` masks the rows' allowed tokens. A
-        callable `sampling_rows` is called once the forward is queued, for the sampling
-        rows and the bitmask (host work that overlaps the forward). A row verifying k
-        draft tokens takes 1 + k consecutive sampling rows (and bitmask rows), one per
-        position it scores. `block_tables` holds each row's table as its `table_row`
-        (the scheduler's persistent array); without it the rows' lists are packed."""
-        _, _, _, shape = self._run_forward(rows, block_tables=block_tables)
-        if callable(sampling_rows):
-            sampling_rows, token_bitmask = sampling_rows()
-        assert len(sampling_rows) == len(rows) + total_spec_tokens(rows)
+    def forward(self, scheduled: SchedulerOutput) -> None:
+        """Queues the model over the step's rows and returns without waiting; its
+        logits stay on the device for `sample`. Each row's block table is read from
+        `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
+        rows = scheduled.scheduled
+        self._run_forward(rows, block_tables=scheduled.block_tables)
+        self._forward_rows = rows
+
+    def sample(self, sampling: StepSampling) -> PendingStep:
+        """Queues the sampler over the logits of the forward queued last and returns
+        without waiting: `result()` on what it returns is the step's one sync. A row
+        verifying k draft tokens takes 1 + k consecutive sampling rows (and bitmask
+        rows), one per position it scores."""
+        assert self._last_forward is not None and self._forward_rows is not None
+        rows, shape = self._forward_rows, self._last_forward[3]
+        self._forward_rows = None  # one sample per forward
+        assert len(sampling.rows) == len(rows) + total_spec_tokens(rows)
         num_rows = self.sampling_rows(shape)
-        md = sampler.make_sampling_metadata(sampling_rows, num_rows)
+        md = sampler.make_sampling_metadata(sampling.rows, num_rows)
         padded = None
-        if token_bitmask is not None:
-            padded = np.full((num_rows, token_bitmask.shape[1]), -1, np.int32)
-            padded[: len(token_bitmask)] = token_bitmask
+        if sampling.token_bitmask is not None:
+            bitmask = sampling.token_bitmask  # [len(sampling.rows), W] int32
+            padded = np.full((num_rows, bitmask.shape[1]), -1, np.int32)
+            padded[: len(bitmask)] = bitmask
         targets = None
-        if prompt_targets is not None:
-            targets = np.full(self.scored_positions(shape), -1, np.int32)
-            flat = [t for row in prompt_targets for t in row]
+        if sampling.prompt_targets is not None:
+            targets = np.full(self.scored_positions(shape), -1, np.int32)  # [T'] int32
+            flat = [t for row in sampling.prompt_targets for t in row]
             targets[: len(flat)] = flat
         out, scored = self._launch_sample(md, padded, targets)
-        lengths = row_lengths(rows)
-        return PendingStep(out, scored, lengths, len(sampling_rows))
+        return PendingStep(out, scored, row_lengths(rows), len(sampling.rows))
 
     def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
         """The proposer's k tokens for each row (waited for); their distributions stay
@@ -549,15 +395,6 @@ class ModelRunner:
         host = np.asarray(self._launch_propose(inputs))
         return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]
 
-    def execute(
-        self,
-        rows: Sequence[StepRow],
-        sampling_rows: Sequence[SamplingRow],
-        prompt_targets: Sequence[Sequence[int]] | None = None,
-    ) -> StepResult:
-        """One engine step, waited for: `dispatch(...).result()`."""
-        return self.dispatch(rows, sampling_rows, prompt_targets).result()
-
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False
     ) -> list[np.ndarray]:
@@ -572,65 +409,3 @@ class ModelRunner:
             module.apply({"params": self.model.params}, hidden, method=module.logits)
         )
         return split_by_row(every, [len(r.token_ids) for r in rows])
-
-    def _warm_up_sampling(self, forward: _Forward) -> None:
-        """Compiles and runs the sampler, bitmask and prompt-logprob programs of one
-        forward's shape."""
-        logits, hidden, last_input, shape = forward
-        self._warm_up_sampler(logits, last_input, self.sampling_rows(shape))
-        self._warm_up_prompt_logprobs(hidden, shape)
-
-    def _warm_up_sampler(self, logits: jax.Array, last_input: jax.Array, num_rows: int) -> None:
-        greedy = sampler.SamplingRow(SamplingParams(temperature=0.0), 0, 0, (), ())
-        md = self._put(sampler.make_sampling_metadata([greedy], num_rows))
-        if self.group_rows is not None:  # one program, the bitmask inside
-            out = self._sample_fn(logits, md, last_input, self.draft_probs, self.allow_all)
-            jax.block_until_ready(out)
-            return
-        jax.block_until_ready(self._sample_fn(logits, md, last_input, self.draft_probs))
-        mask = self._put(np.full((num_rows, self.bitmask_words), -1, np.int32))
-        jax.block_until_ready(self._mask_fn(logits, mask))
-
-    def _warm_up_prompt_logprobs(self, hidden: jax.Array, shape: BatchShape) -> None:
-        targets = np.full(self.scored_positions(shape), -1, np.int32)
-        targets[0] = 0  # one position scored
-        targets = self._put(targets)
-        jax.block_until_ready(self._all_logprobs_fn(self.model.params, hidden, targets))
-
-    def warm_up(self) -> None:
-        """Compiles every program serving can need (penalised sampling, and more than
-        MIN_BIAS_ENTRIES biased or banned tokens in one step, aside), and runs each once.
-
-        On one CPU device the sampler and prompt-logprob programs (one each for every
-        bucket, the bitmask in the sampler) load and run in a second thread while the
-        forwards do: XLA runs them without the GIL, so a start keeps two cores busy.
-        Elsewhere the buckets go one at a time: a GPU keeps room for one step's
-        activations only (`memory.activation_reserve`), and on a mesh every device must
-        run the programs in one order (their collectives would wait on each other)."""
-        shapes = [self.batch_shape(t) for t in self.token_buckets]
-        # No real rows: every token is padding and writes into the null block.
-        if self.model.module.backend != "cpu" or self.mesh is not None:
-            for shape in shapes:
-                self._warm_up_sampling(self._run_forward([], shape))
-        else:
-            assert self.logits_buffer is not None  # one CPU device: grouped sampling
-            # Arrays of their own: each forward donates the logits buffer.
-            logits = self._device_array(np.zeros(self.logits_buffer.shape, np.float32))
-            last_input = self._device_array(np.zeros(self.max_rows, np.int32))
-            with ThreadPoolExecutor(1, thread_name_prefix="jvllm-warm-up") as pool:
-                pending = [pool.submit(self._warm_up_sampler, logits, last_input, self.max_rows)]
-                for i, shape in enumerate(shapes):
-                    _, hidden, _, _ = self._run_forward([], shape)
-                    if i == 0:  # every bucket's hidden states have the one padded shape
-                        pending.append(pool.submit(self._warm_up_prompt_logprobs, hidden, shape))
-                for done in pending:
-                    done.result()
-        self.copy_blocks([(0, 0)])
-        if self.drafter is not None:
-            for size in self.proposal_buckets:
-                self.propose([], size)
-        if self.host_caches:
-            for size in SWAP_BUCKETS:
-                self.swap_out([(0, 0)] * size)
-                self.swap_in([(0, 0)] * size)
-            jax.block_until_ready(self.caches)

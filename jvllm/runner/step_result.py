@@ -8,32 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from jvllm.engine.step_io import PromptLogprobs, StepResult
 from jvllm.layers import sampler
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Host copies of one step's sampler output, one entry per scheduled row."""
-
-    token_ids: np.ndarray  # [R] int32
-    logprobs: np.ndarray  # [R] float32
-    top_ids: np.ndarray  # [R, K] int32
-    top_logprobs: np.ndarray  # [R, K] float32
-    prompt_logprobs: list[PromptLogprobs] | None  # per row, when prompt logprobs were asked
-
-
-class PromptLogprobs(NamedTuple):
-    """Scores of one row's new positions under the next token's distribution."""
-
-    top_ids: np.ndarray  # [n, K] int32, best first
-    top_logprobs: np.ndarray  # [n, K] float32
-    target_logprobs: np.ndarray  # [n] float32: logprob of the given next token
-    target_ranks: np.ndarray  # [n] int32: 1 + tokens scored above it
 
 
 def split_by_row(per_token: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:

@@ -1,6 +1,7 @@
 """Prometheus metrics for GET /metrics, in a registry of their own.
 
-Owns the metric names (`jvllm:*`) and their types.
+Owns the metric names (`jvllm:*`); which are gauges or counters, and their help, is
+`jvllm.engine.metrics`' (the fields of the engine's stats).
 Gauges and counters are read at scrape time from the engine's metrics snapshot
 (counters are exposed with Prometheus' `_total` suffix); the four latency
 histograms are fed by AsyncLLM on the engine thread (prometheus_client is
@@ -16,37 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jvllm.engine.async_llm import E2E, ITL, QUEUE_TIME, TTFT
+from jvllm.engine.metrics import COUNTER, GAUGE, exported_metrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# metric name -> (get_metrics() key, help)
-_GAUGES = {
-    "jvllm:num_requests_running": ("num_requests_running", "Requests running on the device"),
-    "jvllm:num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled"),
-    "jvllm:kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
-    "jvllm:num_free_blocks": ("num_free_blocks", "KV-cache blocks free for allocation"),
-    "jvllm:num_requests_swapped": ("num_requests_swapped", "Requests swapped out to host"),
-    "jvllm:num_free_host_blocks": ("num_free_host_blocks", "Host swap blocks free"),
-}
-_COUNTERS = {
-    "jvllm:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up"),
-    "jvllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache"),
-    "jvllm:num_preemptions": ("num_preemptions", "Requests preempted to free KV blocks"),
-    "jvllm:prompt_tokens": ("prompt_tokens", "Prompt tokens received"),
-    "jvllm:generation_tokens": ("generation_tokens", "Tokens generated"),
-    "jvllm:num_swapped_out_blocks": ("num_swapped_out_blocks", "KV blocks copied to host"),
-    "jvllm:num_swapped_in_blocks": ("num_swapped_in_blocks", "KV blocks copied back from host"),
-    "jvllm:num_recomputed_tokens": (
-        "num_recomputed_tokens",
-        "Computed tokens dropped by recompute preemption",
-    ),
-    "jvllm:spec_decode_num_drafts": ("spec_decode_num_drafts", "Rows that verified drafts"),
-    "jvllm:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
-    "jvllm:spec_decode_num_accepted_tokens": (
-        "spec_decode_num_accepted_tokens",
-        "Draft tokens accepted",
-    ),
-}
+# metric name -> (get_metrics() key, help), from the engine's stats dataclasses
+_GAUGES = {f"jvllm:{k}": (k, doc) for k, kind, doc in exported_metrics() if kind == GAUGE}
+_COUNTERS = {f"jvllm:{k}": (k, doc) for k, kind, doc in exported_metrics() if kind == COUNTER}
 _PER_POSITION = "jvllm:spec_decode_num_accepted_tokens_per_pos"
 _HISTOGRAMS = {
     QUEUE_TIME: ("jvllm:request_queue_time_seconds", "Arrival to first scheduled step"),

@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_throughput_tiny_preset(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     cache = tmp_path / "jax-cache"
@@ -152,6 +153,7 @@ def test_host_overhead_steps_a_baseline_alternately(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
+@pytest.mark.slow
 def test_host_instructions_small(tmp_path: Path) -> None:
     from bench import host_instructions
 

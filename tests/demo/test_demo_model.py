@@ -166,7 +166,7 @@ def test_the_shipped_eagle_head_drafts_as_transformers_and_is_often_right(llm, h
     drafts are kept, and each proposal equals a Transformers-built head's."""
     from jvllm.demo import demo_eagle_path
     from jvllm.testing.eagle import load_head, reference_drafts
-    from tests.test_eagle import _record_drafts
+    from tests.e2e.test_eagle import _record_drafts
 
     config = {"method": "eagle", "model": str(demo_eagle_path()), "num_speculative_tokens": 3}
     # One token bucket: quick to warm up.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool
+from jvllm.engine.kv.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool
 
 
 def _cache(pool: BlockPool, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jvllm.engine.block_table_array import BlockTableArray
+from jvllm.engine.kv.block_table_array import BlockTableArray
 
 
 def _check(tables: BlockTableArray, want: dict[str, list[int]]) -> None:

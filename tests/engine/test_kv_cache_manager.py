@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from jvllm.engine import kv_cache_manager
-from jvllm.engine.kv_cache_manager import KVCacheManager
+from jvllm.engine.kv import kv_cache_manager
+from jvllm.engine.kv.kv_cache_manager import KVCacheManager
 from jvllm.engine.request import Request
 from jvllm.sampling_params import SamplingParams
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine import kv_cache_manager
-from jvllm.engine.kv_cache_manager import cdiv
+from jvllm.engine.kv import kv_cache_manager
+from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerOutput
+from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.spec_decode import verify
+from jvllm.engine.step_io import PLACEHOLDER_TOKEN, SchedulerOutput
 from jvllm.sampling_params import SamplingParams
 
 BS = 8
@@ -53,7 +54,7 @@ def _rows(output: SchedulerOutput) -> dict[str, tuple[int, int, bool]]:
 
 
 def test_engine_package_never_imports_jax():
-    code = "import sys, jvllm.engine.scheduler; assert 'jax' not in sys.modules"
+    code = "import sys, jvllm.engine.scheduling.scheduler; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -251,7 +252,11 @@ def test_stats_report_live_tokens_and_slots():
     stats = scheduler.stats()
     assert stats.num_live_tokens == 12 and stats.num_allocated_slots == 2 * BS
     assert stats.kv_cache_usage_perc == pytest.approx(0.2)
-    assert (stats.num_running, stats.num_waiting, stats.num_total_blocks) == (1, 0, 10)
+    assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_total_blocks) == (
+        1,
+        0,
+        10,
+    )
     scheduler.update_from_output(output, [1])
     assert scheduler.stats().num_live_tokens == 12
 

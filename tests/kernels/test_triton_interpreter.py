@@ -40,6 +40,8 @@ THRESHOLDS = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1.5e-2}
 INTERPRETED = not isinstance(ta.paged_attention_kernel, triton.runtime.JITFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 REPO = Path(__file__).resolve().parents[2]
+# Triton's interpreter runs each kernel a Python loop per program: a minute in all on CPU.
+pytestmark = pytest.mark.slow
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from jvllm.engine.step_io import SamplingRow
 from jvllm.layers.sampler import (
     MIN_BIAS_ENTRIES,
     MIN_PENALTY_ENTRIES,
     SamplerOutput,
     SamplingMetadata,
-    SamplingRow,
     apply_penalties,
     apply_token_bitmask,
     argmax_rows,
@@ -304,6 +304,7 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
     assert np.all(np.abs(freq - want) <= bound), (freq, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num, group_rows", [(512, None), (200, 40)])
 def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, group_rows: int | None) -> None:
     """The exponential race picks the token JAX's own Gumbel-max picks from the row's key
@@ -350,6 +351,7 @@ def _mixed_rows(num: int, vocab: int) -> list[SamplingRow]:
     return rows
 
 
+@pytest.mark.slow
 def test_grouped_rows_give_each_row_what_the_whole_batch_gives_it() -> None:
     """Sampling in groups of rows (`group_rows`, as on CPU devices) gives every row in
     use the token the whole batch at once gives it, and every row that asked for
@@ -404,6 +406,7 @@ def test_sampled_tokens_stay_in_allowed_set_in_a_mixed_batch() -> None:
 # ---- determinism --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_row_token_ignores_other_rows_and_padding() -> None:
     vocab = 200
     target = _logits(1, vocab, seed=8, scale=0.5)[0]
@@ -666,6 +669,7 @@ def _speculative_draws(
     )
 
 
+@pytest.mark.slow
 def test_rejection_sampling_follows_the_target_distribution():
     """Chi-square against the exact target p over 20 000 seeded draws (significance
     1e-3); the same draws without the residual correction are rejected, so the test

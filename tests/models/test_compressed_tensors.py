@@ -18,9 +18,9 @@ import torch
 
 from jvllm import LLM, SamplingParams
 from jvllm.models.loader import load_model
+from tests.helpers import hf_greedy
 from tests.models.test_forward import assert_close, hf_logits
 from tests.models.test_quantization import linear_bytes, prompt_row
-from tests.test_llm import hf_greedy
 
 ct = pytest.importorskip("compressed_tensors")
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from jvllm import LLM, SamplingParams
+from tests.helpers import hf_greedy
 from tests.models.llmcompressor_checkpoints import RECIPES
 from tests.models.test_compressed_tensors import (
     ENGINE,
@@ -30,7 +31,6 @@ from tests.models.test_compressed_tensors import (
     first_float8_tie,
     prompts,
 )
-from tests.test_llm import hf_greedy
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("llmcompressor")

@@ -16,8 +16,8 @@ from jvllm import LLM, SamplingParams
 from jvllm.models.loader import _flatten, load_model
 from jvllm.models.quantization import QUANTIZED_LAYERS, dequantize, quantize
 from jvllm.models.safetensors_index import SafetensorsIndex
+from tests.helpers import hf_greedy
 from tests.models.test_forward import Row, assert_close, hf_logits
-from tests.test_llm import hf_greedy
 
 NEW_TOKENS = 16
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)

@@ -15,8 +15,8 @@ from jvllm.models.loader import load_model
 from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner.model_runner import ModelRunner
+from tests.helpers import hf_greedy
 from tests.models.test_forward import BLOCK, Row, assert_close, hf_logits, random_ids
-from tests.test_llm import hf_greedy
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from jvllm.runner.input_batch import (
     BatchShape,
@@ -98,6 +99,7 @@ def test_placeholder_tokens_come_from_the_previous_step():
     assert (np.asarray(inp.token_ids)[4:] == 0).all()
 
 
+@pytest.mark.slow
 def test_rows_verifying_drafts_get_a_logits_row_per_position():
     rng = np.random.default_rng(1)
     for _ in range(100):

@@ -146,6 +146,7 @@ def start(model: Path, cache: Path, max_num_seqs: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_start_loads_every_program(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """Same checkpoint and engine arguments: the second start loads every program but the
     model forwards (on CPU devices JAX's persistent cache keeps those) and its greedy

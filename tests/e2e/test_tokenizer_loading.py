@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jvllm.demo import DEMO_MODEL_DIR
-from jvllm.engine_args import _loads_generic_tokenizer, load_tokenizer
+from jvllm.tokenizer_loading import _loads_generic_tokenizer, load_tokenizer
 
 TEXTS = ["the quick brown fox", "<s> hello </s> world", "", "  spaced   out  ", "naïve café 🙂"]
 
@@ -88,7 +88,7 @@ def test_missing_files_go_through_autotokenizer(tmp_path: Path) -> None:
 
 def test_direct_load_does_not_import_torch(checkpoints: dict[str, Path]) -> None:
     code = (
-        "import sys; from jvllm.engine_args import load_tokenizer; "
+        "import sys; from jvllm.tokenizer_loading import load_tokenizer; "
         f"load_tokenizer({str(checkpoints['qwen3'])!r}); "
         "print('torch' in sys.modules)"
     )

@@ -19,42 +19,12 @@ changes, so a step's tables reach the runner as one gather.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
-
-from jvllm.engine.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock
-from jvllm.engine.block_table_array import BlockTableArray
-from jvllm.engine.host_tier import HostEntry, HostPrefixTier
+from jvllm.engine.kv.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock, cdiv
+from jvllm.engine.kv.block_table_array import BlockTableArray
+from jvllm.engine.kv.host_tier import HostEntry, HostPrefixTier
+from jvllm.engine.kv.prefix import EMPTY_PREFIX, ROOT_HASH, CachedPrefix, hash_block_tokens
+from jvllm.engine.kv.swap_space import SwapSpace
 from jvllm.engine.request import Request
-from jvllm.engine.swap_space import SwapSpace
-
-# Parent hash of every sequence's first block.
-ROOT_HASH = 0
-
-
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block. It only indexes the cache: hits are verified."""
-    return hash((parent_hash, tuple(token_ids)))
-
-
-class CachedPrefix(NamedTuple):
-    """The leading full blocks of a request found in the prefix cache.
-
-    A block found in the host tier has NULL_BLOCK in `block_ids` and its entry in
-    `host_hits` (table index -> entry): allocation brings it back into a new block.
-    """
-
-    block_ids: list[int]
-    content_ids: list[int]
-    num_tokens: int
-    host_hits: dict[int, HostEntry] = {}
-
-
-EMPTY_PREFIX = CachedPrefix([], [], 0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

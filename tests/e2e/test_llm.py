@@ -11,31 +11,9 @@ import pytest
 import torch
 
 from jvllm import LLM, SamplingParams
+from tests.helpers import hf_greedy, prompts, token_prompts
 
-PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
 NEW_TOKENS = 32
-
-
-def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(6, 512, size=n)] for n in lengths]
-
-
-def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int, **processors) -> list[int]:
-    """Transformers' greedy continuation (through EOS); `processors` are generate()'s
-    logits-processor arguments (sequence_bias, bad_words_ids, ...)."""
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new,
-            eos_token_id=eos,
-            pad_token_id=eos,
-            **processors,
-        )
-    new = out[0, len(ids) :].tolist()
-    return new[: new.index(eos) + 1] if eos in new else new
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +34,6 @@ def make_llm(path, **kwargs) -> LLM:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-
-
-def token_prompts(ps: list[list[int]]) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in ps]
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,7 @@ from jvllm.config import SpeculativeConfig
 from jvllm.engine.ngram_proposer import NgramProposer
 from jvllm.engine.spec_decode import verify
 from jvllm.engine_args import EngineArgs
-from tests.test_async_scheduling import _logprobs, mixed_params
-from tests.test_llm import hf_greedy, prompts, token_prompts
+from tests.helpers import approx_logprobs, hf_greedy, mixed_params, prompts, token_prompts
 
 NGRAM = {
     "method": "ngram",
@@ -70,7 +69,7 @@ def _outputs(llm: LLM, ps: list, params: list[SamplingParams]) -> list:
     outs = llm.generate(token_prompts(ps), params, use_tqdm=False)
     return [
         [
-            (c.token_ids, c.text, c.finish_reason, c.stop_reason, _logprobs(c.logprobs))
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason, approx_logprobs(c.logprobs))
             for c in o.outputs
         ]
         for o in outs
@@ -92,6 +91,7 @@ def _stopping_params(reference: list) -> list[SamplingParams]:
     return params
 
 
+@pytest.mark.slow
 def test_speculation_gives_the_tokens_of_plain_decoding(
     arch, checkpoints, drafts, heads, tokenizer_dir
 ):
@@ -163,6 +163,7 @@ def test_ngram_speculation_matches_hf_greedy(checkpoints, hf_models, tokenizer_d
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 def test_no_compilations_after_warm_up_with_speculation(method, checkpoints, drafts, heads):
     config = {

@@ -15,7 +15,7 @@ import pytest
 from jvllm import LLM, RequestOutputKind, SamplingParams
 from jvllm.engine.async_llm import E2E, AsyncLLM
 from jvllm.outputs import RequestOutput
-from tests.test_llm import prompts
+from tests.helpers import prompts
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
 

@@ -179,3 +179,8 @@ class BlockPool:
 
 def _same_content(cached: CachedBlock, parent_content_id: int, token_ids: tuple[int, ...]) -> bool:
     return cached.parent_content_id == parent_content_id and cached.token_ids == token_ids
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (blocks for a tokens)."""
+    return -(-a // b)

@@ -119,6 +119,7 @@ def check_against_hf(llm, hf_model, params: BeamSearchParams, eos: list[int] | N
             assert s.finish_reason == ("stop" if ended else "length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_eos", [True, False], ids=["eos", "ignore_eos"])
 def test_beam_search_matches_hf(arch, beam_llms, hf_models, eos_ids, with_eos):
     llm, hf_model = beam_llms[arch], hf_models[arch]
@@ -151,6 +152,7 @@ def test_eos_does_end_beams(beam_llms, eos_ids):
     assert reasons["stop"] > 0 and reasons["length"] > 0
 
 
+@pytest.mark.slow
 def test_prompt_blocks_are_held_once(checkpoints):
     """Width 8 on a 500-token prompt: the beams share the prompt's blocks."""
     llm = LLM(str(checkpoints["llama"]), max_model_len=640, max_num_seqs=8, block_size=16)
@@ -174,6 +176,7 @@ def test_prompt_blocks_are_held_once(checkpoints):
     assert len(out.outputs) == 8 and all(len(c.token_ids) == 24 for c in out.outputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "engine_kwargs",
     [
@@ -235,6 +238,7 @@ def test_bad_params_name_the_field(kwargs, field):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
 
 
+@pytest.mark.slow
 def test_engine_limits_are_named(checkpoints):
     llm = LLM(str(checkpoints["llama"]), max_model_len=128, max_num_seqs=4)
     with pytest.raises(ValueError, match="beam_width=8 exceeds max_num_seqs"):

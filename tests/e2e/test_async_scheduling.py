@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from jvllm import LLM, SamplingParams
-from tests.test_llm import prompts, token_prompts
+from tests.helpers import approx_logprobs, mixed_params, prompts, token_prompts
 
 # Small budget and cache: chunked prefill and preemptions in the same run.
 ENGINE = dict(
@@ -22,43 +22,20 @@ ENGINE = dict(
 )
 
 
-def mixed_params(eos: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt of `prompts()`, covering the sampler's paths."""
-    kinds = [
-        SamplingParams(temperature=0.0, max_tokens=24),
-        SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=20),
-        SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=17, logprobs=3),
-        SamplingParams(
-            temperature=0.8, seed=3, repetition_penalty=1.4, frequency_penalty=0.5, max_tokens=30
-        ),
-        SamplingParams(temperature=0.0, presence_penalty=1.0, max_tokens=21),
-        SamplingParams(temperature=1.0, seed=4, min_tokens=6, max_tokens=12),
-        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=15),
-        SamplingParams(temperature=0.0, stop_token_ids=[eos, 7, 8, 9, 10, 11], max_tokens=40),
-    ]
-    return [kinds[i % len(kinds)] for i in range(len(prompts()))]
-
-
 def run(path, async_scheduling: bool, params: list[SamplingParams]) -> list:
     llm = LLM(str(path), async_scheduling=async_scheduling, **ENGINE)
     outs = llm.generate(token_prompts(prompts(seed=3)), params, use_tqdm=False)
     assert llm.get_metrics()["num_preemptions"] > 0  # the cache is too small on purpose
     return [
-        [(c.token_ids, c.finish_reason, c.stop_reason, _logprobs(c.logprobs)) for c in o.outputs]
+        [
+            (c.token_ids, c.finish_reason, c.stop_reason, approx_logprobs(c.logprobs))
+            for c in o.outputs
+        ]
         for o in outs
     ]
 
 
-def _logprobs(positions: list | None) -> list | None:
-    """Per position: the (token id, rank) pairs exactly, the logprobs to 1e-5."""
-    if positions is None:
-        return None
-    return [
-        [(t, lp.rank, pytest.approx(lp.logprob, abs=1e-5)) for t, lp in entry.items()]
-        for entry in positions
-    ]
-
-
+@pytest.mark.slow
 def test_overlap_on_and_off_give_identical_outputs(arch, checkpoints, tokenizer_dir):
     from transformers import AutoTokenizer
 

@@ -5,8 +5,9 @@ Owns the waiting queue and the running list, the per-step token budget
 preemption by recompute, the admission of n > 1 siblings by forking their source's KV
 blocks, the beams of a beam search (a unit: scheduled, admitted and preempted together;
 `replace_beams` forks the chosen beams' blocks), and the "static" policy used as a
-baseline. Block accounting is delegated to the KV cache manager; stop conditions,
-detokenization and outputs belong to the LLM engine.
+baseline. Admitting waiting and swapped requests and preempting are `admission.py`'s
+(mixed in); block accounting is the KV cache manager's; stop conditions,
+detokenization and outputs are the output processor's.
 
 Protocol: `schedule()`, dispatch the step, `update_from_output()` once its sampled
 tokens are known. Overlapped (async) scheduling calls `schedule()` once more before
@@ -14,7 +15,7 @@ committing the previous step, so at most two steps are outstanding: a request wh
 last token is still on the device holds an output placeholder, and its next row (one
 decode token) names the row of the previous step whose sampled token it feeds back
 (`prev_step_row`), resolved on the device. `num_computed_tokens` advances when a step
-is scheduled. The engine checks stop conditions and calls `finish_request()` itself.
+is scheduled. The engine calls `finish_request()` for what the output processor ended.
 
 Speculative decoding: a decode row carries the request's draft tokens
 (`Request.spec_token_ids`, set by the engine's proposer) after its input token, as
@@ -26,102 +27,18 @@ later steps and never enter the prefix cache, which registers only known tokens.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.engine.kv.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.engine.metrics import SchedulerStats
 from jvllm.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    import numpy as np
-
-# The token id a row carries where the device substitutes the previous step's sample.
-PLACEHOLDER_TOKEN = 0
+from jvllm.engine.scheduling.admission import Admission, ScheduleStep
+from jvllm.engine.step_io import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 
 
-class ScheduledRequest(NamedTuple):
-    """One request's share of a step (a NamedTuple: one is built per row and step)."""
-
-    request_id: str
-    token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]
-    start_position: int  # num_computed_tokens before the step: the position of token_ids[0]
-    # The request's table itself, valid until the next schedule(): it covers at least
-    # start_position + len(token_ids) positions.
-    block_table: list[int]
-    samples: bool  # every known token is computed after this step, so one is sampled
-    # Set when the row's one token is the one the previous step's row of this index
-    # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
-    prev_step_row: int | None = None
-    # The last this many of token_ids are draft tokens to verify (speculative decoding).
-    num_spec_tokens: int = 0
-    # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
-    table_row: int = -1
-
-
-# A ScheduledRequest from a tuple of all its fields, without the Python-level __new__ a
-# NamedTuple's constructor runs (built per row and step).
-_new_row = functools.partial(tuple.__new__, ScheduledRequest)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    step_id: int  # consecutive; update_from_output() commits steps in this order
-    scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
-    blocks_to_copy: list[tuple[int, int]]  # (src, dst), applied before this step's forward
-    preempted_request_ids: list[str]
-    num_scheduled_tokens: int
-    # Applied before the copies and the forward, swap-outs first.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    # Every row's block table as row `table_row` of this int32 array (zero past each
-    # table's end); valid until the next schedule().
-    block_tables: np.ndarray | None = None
-
-
-class SchedulerStats(NamedTuple):
-    num_running: int
-    num_waiting: int  # including preempted requests
-    num_free_blocks: int  # of the usable blocks (the null block is not counted)
-    num_total_blocks: int  # usable blocks: num_blocks - 1
-    kv_cache_usage_perc: float  # 0..1, usable blocks held by some request
-    prefix_cache_queries: int  # tokens, cumulative
-    prefix_cache_hits: int  # tokens, cumulative
-    num_preemptions: int  # cumulative
-    num_live_tokens: int  # running requests' computed tokens, dispatched steps included
-    num_allocated_slots: int  # held blocks * block_size
-    num_swapped: int  # requests whose blocks are in host memory
-    num_swapped_out_blocks: int  # cumulative device -> host block copies
-    num_swapped_in_blocks: int  # cumulative host -> device block copies
-    num_recomputed_tokens: int  # cumulative computed tokens dropped by recompute preemption
-    num_host_blocks: int  # the host pool's size (0 without swap)
-    num_free_host_blocks: int
-    prefix_cache_host_hits: int  # tokens, cumulative; of prefix_cache_hits, from the host tier
-    num_offloaded_blocks: int  # cumulative evicted cached blocks copied to the host tier
-    num_onloaded_blocks: int  # cumulative host-tier hits copied back
-    num_tier_blocks: int  # the host tier's size
-    num_used_tier_blocks: int
-
-
-@dataclass
-class _Step:
-    """What one `schedule()` call has decided so far."""
-
-    budget: int
-    rows: list[ScheduledRequest] = field(default_factory=list)
-    # Request id -> its computed tokens before this step (its row's start position).
-    starts: dict[str, int] = field(default_factory=dict)
-    # Request id -> its row, for the rows that sample.
-    sampling_rows: dict[str, int] = field(default_factory=dict)
-    preempted_ids: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -175,7 +92,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         assert len(self._pending_steps) <= 1, "commit the step before the last one first"
-        step = _Step(budget=self.scheduler_config.max_num_batched_tokens)
+        step = ScheduleStep(budget=self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(step)
         # A step that had to preempt has no blocks to spare for newcomers.
         if not step.preempted_ids and not (self.is_static and self.running):
@@ -290,8 +207,8 @@ class Scheduler:
         pool = kv.block_pool
         live = sum(r.num_computed_tokens for r in self.running)
         return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_usable_blocks,
             kv_cache_usage_perc=kv.num_allocated_blocks / pool.num_usable_blocks,
@@ -300,7 +217,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_live_tokens=live,
             num_allocated_slots=kv.num_allocated_blocks * self.block_size,
-            num_swapped=len(self.swapped),
+            num_requests_swapped=len(self.swapped),
             num_swapped_out_blocks=self._num_swapped_out_blocks,
             num_swapped_in_blocks=self._num_swapped_in_blocks,
             num_recomputed_tokens=self._num_recomputed_tokens,
@@ -313,7 +230,7 @@ class Scheduler:
             num_used_tier_blocks=kv.host_tier.num_used_blocks if kv.host_tier else 0,
         )
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: ScheduleStep) -> None:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
         previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
         tables, sampling_rows, starts = kv.block_tables, step.sampling_rows, step.starts
@@ -353,17 +270,14 @@ class Scheduler:
                     request_id = request.request_id
                     sampling_rows[request_id] = len(rows)
                     rows.append(
-                        _new_row(
-                            (
-                                request_id,
-                                [PLACEHOLDER_TOKEN],
-                                computed,
-                                tables[request_id],
-                                True,
-                                previous_rows[request_id],
-                                0,
-                                table_rows[request_id],
-                            )
+                        ScheduledRequest(
+                            request_id,
+                            [PLACEHOLDER_TOKEN],
+                            computed,
+                            tables[request_id],
+                            samples=True,
+                            prev_step_row=previous_rows[request_id],
+                            table_row=table_rows[request_id],
                         )
                     )
                     starts[request_id] = computed
@@ -398,7 +312,7 @@ class Scheduler:
         )
         return drafts if fits else []
 
-    def _schedule_unit(self, step: _Step, unit: list[Request], todo: list[Request]) -> bool:
+    def _schedule_unit(self, step: ScheduleStep, unit: list[Request], todo: list[Request]) -> bool:
         """Schedules `todo` (the unit's requests with work) all together or not at all;
         False when the unit itself was preempted, so nothing behind it fits either."""
         if len(todo) > step.budget:
@@ -419,7 +333,9 @@ class Scheduler:
             self._add_row(step, request, num_new)
         return True
 
-    def _allocate(self, step: _Step, request: Request, num_new: int, unit: list[Request]) -> bool:
+    def _allocate(
+        self, step: ScheduleStep, request: Request, num_new: int, unit: list[Request]
+    ) -> bool:
         """Slots for the request's next `num_new` tokens, preempting from the tail until
         they fit; False when that preempted the request's own unit."""
         assert num_new > 0, f"{request} has nothing to compute"
@@ -469,155 +385,8 @@ class Scheduler:
             limit = min(limit, len(request.prompt_token_ids) + max_tokens)
         request.max_num_tokens = limit
 
-    def _schedule_waiting(self, step: _Step) -> None:
-        """Admit waiting requests in FIFO order while budget, sequences and blocks allow;
-        the beams of a group (preempted together) are admitted together."""
-        skipped: list[Request] = []
-        # Sequences a beam search that has not forked yet will add to its one.
-        unforked = 0
-        if self._num_beams:
-            unforked = sum(r.beam_width - 1 for r in self.running if _is_unforked_beam(r))
-        free_seats = self.scheduler_config.max_num_seqs - len(self.running) - unforked
-        while self.waiting and step.budget > 0:
-            unit = [self.waiting.popleft()]
-            while (
-                self.waiting
-                and unit[0].beam_group is not None
-                and (self.waiting[0].beam_group == unit[0].beam_group)
-            ):
-                unit.append(self.waiting.popleft())
-            if any(r.num_output_placeholders for r in unit) or self._must_wait_for_source(
-                unit[0], step
-            ):
-                skipped += unit  # does not hold up the requests behind it
-                continue
-            seats = unit[0].beam_width if _is_unforked_beam(unit[0]) else len(unit)
-            if seats > free_seats or not self._admit_unit(step, unit):
-                self.waiting.extendleft(reversed(unit))
-                break
-            free_seats -= seats
-        self.waiting.extendleft(reversed(skipped))
-
-    def _must_wait_for_source(self, request: Request, step: _Step) -> bool:
-        """Whether a fork child waits for its source to compute the shared prompt; before
-        this step, since copy-on-write copies run before the step's forward."""
-        if request.fork_source is None:
-            return False
-        source = self._requests.get(request.fork_source)
-        if self.is_static or source is None or source.status is RequestStatus.PREEMPTED:
-            request.fork_source = None  # nothing to share: prefill like any request
-            return False
-        assert source.prompt_token_ids == request.prompt_token_ids, (source, request)
-        computed = step.starts.get(source.request_id, source.num_computed_tokens)
-        return source.status is not RequestStatus.RUNNING or (
-            computed < request.num_prompt_tokens - 1
-        )
-
-    def _admit_unit(self, step: _Step, unit: list[Request]) -> bool:
-        """Take blocks for every request of the unit and schedule their first chunks; False,
-        changing nothing, if the budget or the blocks do not suffice for all of them."""
-        if len(unit) > step.budget:
-            return False
-        sizes, budget = [], step.budget
-        for i, request in enumerate(unit):
-            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i))
-            if num_new is None:
-                for taken in unit[:i]:
-                    self.kv_cache_manager.drop_unwritten(taken)
-                    self.kv_cache_manager.free(taken.request_id)
-                    taken.num_computed_tokens = 0
-                return False
-            sizes.append(num_new)
-            budget -= num_new
-        for request, num_new in zip(unit, sizes, strict=True):
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_row(step, request, num_new)
-        return True
-
-    def _take_blocks(self, request: Request, budget: int) -> int | None:
-        """Take blocks for a waiting request's first chunk of at most `budget` tokens and
-        set its computed tokens to what it shares; the chunk's size, or None (nothing
-        taken) when the free blocks do not suffice."""
-        kv = self.kv_cache_manager
-        if request.fork_source is not None:
-            # Share the whole prompt but its last token, which the child runs to sample.
-            num_shared = request.num_prompt_tokens - 1
-            kv.fork(request.fork_source, request.request_id, num_shared)
-            request.num_computed_tokens = num_shared
-            num_new = min(request.num_tokens - num_shared, budget)
-            if not kv.allocate_slots(request, num_new):
-                kv.free(request.request_id)
-                request.num_computed_tokens = 0
-                return None
-        else:
-            prefix = kv.find_cached_prefix(request)
-            num_shared = prefix.num_tokens
-            num_new = min(request.num_tokens - num_shared, budget)
-            # The static baseline reserves a whole max_model_len sequence up front.
-            reserve = self.scheduler_config.max_model_len if self.is_static else 0
-            if not kv.allocate_slots(request, num_new, prefix, reserve):
-                return None
-            request.num_computed_tokens = num_shared
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_shared
-        return num_new
-
-    def _preempt(self, step: _Step, request: Request) -> None:
-        """Preempt by swap (its computed blocks go to host memory) when the host pool has
-        room and the request is not a beam, else by recompute (all its K/V dropped)."""
-        assert not self.is_static, "the static policy reserves blocks and never preempts"
-        kv = self.kv_cache_manager
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        request.awaiting_selection = False  # a beam's candidates are dropped: it proposes again
-        if self.swaps and request.beam_group is None and kv.can_swap_out(request):
-            pairs = kv.swap_out(request)
-            step.swap_out += pairs
-            self._num_swapped_out_blocks += len(pairs)
-            request.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(request)
-            return
-        # A request of the unit being scheduled may hold blocks this step never writes.
-        kv.drop_unwritten(request)
-        kv.free(request.request_id)
-        self._num_recomputed_tokens += request.num_computed_tokens
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
-
-    def _schedule_swapped(self, step: _Step) -> None:
-        """Swap requests back in, oldest first, while sequences, budget and blocks allow;
-        each runs this step (its blocks are copied in before the forward)."""
-        kv = self.kv_cache_manager
-        while self.swapped and step.budget > 0:
-            request = self.swapped[0]
-            if request.num_output_placeholders or (
-                len(self.running) >= self.scheduler_config.max_num_seqs
-            ):
-                return  # its last token is still on the device, or no seat is free
-            num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
-            )
-            # Room for its blocks and for its next tokens' (all its blocks come back
-            # private), lookahead slots included.
-            end = request.num_computed_tokens + num_new
-            end = min(end + kv.num_lookahead_tokens, self.scheduler_config.max_model_len)
-            spare = cdiv(end, self.block_size) - cdiv(request.num_computed_tokens, self.block_size)
-            pairs = kv.swap_in(request, spare)
-            if pairs is None:
-                return
-            self.swapped.popleft()
-            step.swap_in += pairs
-            self._num_swapped_in_blocks += len(pairs)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            fits = kv.allocate_slots(request, num_new)  # swap_in left room for it
-            assert fits, request
-            self._add_row(step, request, num_new)
-
     def _add_row(
-        self, step: _Step, request: Request, num_new: int, drafts: list[int] | None = None
+        self, step: ScheduleStep, request: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
         """Schedules positions [computed, computed + num_new) and advances the request;
         `drafts` (allocated already) follow at the next positions."""
@@ -678,8 +447,3 @@ def check_kv_capacity(
             "lower max_model_len or give the KV cache more memory "
             "(gpu_memory_utilization, num_gpu_blocks_override)"
         )
-
-
-def _is_unforked_beam(request: Request) -> bool:
-    """The one request of a beam search before its first selection."""
-    return request.beam_group is not None and not request.output_token_ids

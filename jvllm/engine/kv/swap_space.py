@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from jvllm.engine.block_pool import BlockPool
+from jvllm.engine.kv.block_pool import BlockPool
 
 
 class SwapSpace:

@@ -50,6 +50,7 @@ def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+@pytest.mark.slow
 def test_eagle_drafts_match_a_transformers_head(tiny):
     from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,7 @@ import pytest
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.token_constraints import BadWords
-from tests.test_llm import hf_greedy
+from tests.helpers import hf_greedy
 
 NEW_TOKENS = 24
 

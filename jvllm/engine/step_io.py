@@ -1,0 +1,172 @@
+"""What crosses the engine/runner boundary in one step, and the runner's protocol.
+
+Owns the types both sides read: the scheduler's decision (`SchedulerOutput`, one
+`ScheduledRequest` per row), the sampler's view of a row (`SamplingRow`), the step's
+sampling inputs (`StepSampling`) and the host copies of what the device sampled
+(`StepResult`); and `StepRunner`, the calls the engine makes on the device side. It
+imports no jax (numpy only), so the engine stays host-only and the runner needs
+nothing else of the engine.
+
+One step, as `LLMEngine.step` makes it:
+
+    schedule() -> SchedulerOutput
+    runner.forward(SchedulerOutput)       # queues the model; returns at once
+    runner.sample(StepSampling) -> PendingResult   # queues the sampler
+    PendingResult.result() -> StepResult  # the step's one sync (the commit)
+
+The two runner calls are apart so that the host can prepare a step's sampling inputs
+while its forward runs (vLLM's `execute_model` / `sample_tokens`): a row whose bans
+or grammar need the token the previous step sampled gets its sampling row only after
+that step is committed, between the two calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from jvllm.sampling_params import SamplingParams
+
+# The token id a row carries where the device substitutes the previous step's sample.
+PLACEHOLDER_TOKEN = 0
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (a NamedTuple: one is built per row and step)."""
+
+    request_id: str
+    token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]
+    start_position: int  # num_computed_tokens before the step: the position of token_ids[0]
+    # The request's table itself, valid until the next schedule(): it covers at least
+    # start_position + len(token_ids) positions.
+    block_table: list[int]
+    samples: bool  # every known token is computed after this step, so one is sampled
+    # Set when the row's one token is the one the previous step's row of this index
+    # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
+    prev_step_row: int | None = None
+    # The last this many of token_ids are draft tokens to verify (speculative decoding).
+    num_spec_tokens: int = 0
+    # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
+    table_row: int = -1
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step_id: int  # consecutive; update_from_output() commits steps in this order
+    scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
+    blocks_to_copy: list[tuple[int, int]]  # (src, dst), applied before this step's forward
+    preempted_request_ids: list[str]
+    num_scheduled_tokens: int
+    # Applied before the copies and the forward, swap-outs first.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # Every row's block table as row `table_row` of this int32 array (zero past each
+    # table's end); valid until the next schedule().
+    block_tables: np.ndarray | None = None  # [max_num_seqs, max_blocks_per_seq] int32
+
+
+class SamplingRow(NamedTuple):
+    """One batch row as the sampler sees it: the request's parameters, its resolved
+    seed, how many tokens it has generated so far, and its token history."""
+
+    params: SamplingParams
+    seed: int  # resolved per sequence by the engine, in [0, 2**32)
+    step_index: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Tokens that may not be sampled this step (EOS and stop ids before min_tokens).
+    banned_token_ids: Sequence[int] = ()
+    # The latest output token is still on the device (not in output_token_ids): it is
+    # the row's input token, and the sampler adds it to the penalty history there.
+    pending_output: bool = False
+    # Speculative decoding with a draft model: the draft token proposed for this
+    # position and the row of the proposal's probabilities q that it was drawn from
+    # (-1: none; the sampler then draws as usual).
+    draft_token_id: int = -1
+    draft_q_row: int = -1
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """What the sampler needs for the step whose forward was queued last."""
+
+    # One per scheduled row that samples nothing too (an idle row); a row verifying k
+    # draft tokens takes 1 + k consecutive ones, one per position it scores.
+    rows: Sequence[SamplingRow]
+    # i32[len(rows), ceil(V / 32)]: bit t of a row allows token t; None: all allowed.
+    token_bitmask: np.ndarray | None = None
+    # Per scheduled row and new token, the next prompt token to score (prompt
+    # logprobs); any id where none is wanted. None: no row scores its prompt.
+    prompt_targets: Sequence[Sequence[int]] | None = None
+
+
+class PromptLogprobs(NamedTuple):
+    """Scores of one row's new positions under the next token's distribution."""
+
+    top_ids: np.ndarray  # [n, K] int32, best first
+    top_logprobs: np.ndarray  # [n, K] float32
+    target_logprobs: np.ndarray  # [n] float32: logprob of the given next token
+    target_ranks: np.ndarray  # [n] int32: 1 + tokens scored above it
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Host copies of one step's sampler output, one entry per sampling row."""
+
+    token_ids: np.ndarray  # [R] int32
+    logprobs: np.ndarray  # [R] float32
+    top_ids: np.ndarray  # [R, K] int32
+    top_logprobs: np.ndarray  # [R, K] float32
+    prompt_logprobs: list[PromptLogprobs] | None  # per row, when prompt logprobs were asked
+
+
+class PendingResult(Protocol):
+    """A queued step; `result()` waits for the device and copies its outputs out."""
+
+    def result(self) -> StepResult: ...
+
+
+class DraftRow(NamedTuple):
+    """One sequence a proposer drafts for: from its newest token, `num_tokens` more."""
+
+    token_id: int
+    # A draft model's first step: token_id's own (the sequence's length - 1); an EAGLE
+    # head's: the one before, whose entry pairs with token_id.
+    position: int
+    block_table: Sequence[int]  # covers position + num_tokens - 1 (lookahead slots)
+    num_tokens: int
+    seed: int
+    step_index: int  # output tokens so far: the first draft's output index
+    temperature: float
+    feature_row: int = 0  # EAGLE: the step's logits row that token_id was drawn from
+
+
+class DraftModel(Protocol):
+    """The runner's side of a draft model (`jvllm.runner.ModelRunner.propose`)."""
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]: ...
+
+
+class StepRunner(Protocol):
+    """What the engine needs from the device side (`jvllm.runner.ModelRunner`)."""
+
+    @property
+    def num_compilations(self) -> int: ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(src, dst) whole-block copies, queued before the step's forward."""
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(device, host) block copies, queued before anything this step writes."""
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(host, device) block copies, queued before the step's forward."""
+
+    def forward(self, scheduled: SchedulerOutput) -> None:
+        """Queues the model over the step's rows; returns without waiting."""
+
+    def sample(self, sampling: StepSampling) -> PendingResult:
+        """Queues the sampler over the logits of the forward queued last."""

@@ -1,0 +1,65 @@
+"""Helpers shared by the end-to-end tests: prompts, Transformers' greedy reference,
+a mix of sampling parameters covering the sampler's paths, and logprob comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jvllm import SamplingParams
+
+PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
+
+
+def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(6, 512, size=n)] for n in lengths]
+
+
+def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int, **processors) -> list[int]:
+    """Transformers' greedy continuation (through EOS); `processors` are generate()'s
+    logits-processor arguments (sequence_bias, bad_words_ids, ...)."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            **processors,
+        )
+    new = out[0, len(ids) :].tolist()
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+def token_prompts(ps: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in ps]
+
+
+def mixed_params(eos: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt of `prompts()`, covering the sampler's paths."""
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=20),
+        SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=17, logprobs=3),
+        SamplingParams(
+            temperature=0.8, seed=3, repetition_penalty=1.4, frequency_penalty=0.5, max_tokens=30
+        ),
+        SamplingParams(temperature=0.0, presence_penalty=1.0, max_tokens=21),
+        SamplingParams(temperature=1.0, seed=4, min_tokens=6, max_tokens=12),
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=15),
+        SamplingParams(temperature=0.0, stop_token_ids=[eos, 7, 8, 9, 10, 11], max_tokens=40),
+    ]
+    return [kinds[i % len(kinds)] for i in range(len(prompts()))]
+
+
+def approx_logprobs(positions: list | None) -> list | None:
+    """Per position: the (token id, rank) pairs exactly, the logprobs to 1e-5."""
+    if positions is None:
+        return None
+    return [
+        [(t, lp.rank, pytest.approx(lp.logprob, abs=1e-5)) for t, lp in entry.items()]
+        for entry in positions
+    ]
