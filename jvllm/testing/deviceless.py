@@ -7,9 +7,10 @@ device (via `jvllm.runner.aot`), with ptxas on its Triton kernels and the KV-cac
 rule against the compiled programs' memory (the step reserve measured as the engine
 measures it, XLA told the same budget as a GPU's allocator tells it, and what XLA's
 scheduler logs while compiling); one tensor-parallel forward over a topology's
-devices; the attention kernel alone at a model's shapes and options; and a launch
-configuration known to be bad. Not owned: which models and sizes to check, the report
-and the command line (jvllm.testing.deviceless_cli), the assertions (tests/gpu_compile).
+devices; and the operand types of an FP8 model's dots. Not owned: the attention kernel
+alone (jvllm.testing.deviceless_attention), MoE (jvllm.testing.deviceless_moe), which
+models and sizes to check, the report and the command line
+(jvllm.testing.deviceless_cli), the assertions (tests/gpu_compile).
 Needs the CUDA PJRT plugin and jax-triton importable.
 """
 
@@ -22,7 +23,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -368,12 +368,6 @@ def check_tensor_parallel(
     )
 
 
-# Launch overrides known to be bad for an 8B-shaped decode on an H200 (tests of the test):
-# 128 query rows keep a 128 x 128 fp32 accumulator per 128 threads (spills); 512-key tiles
-# need more shared memory than a block may have.
-BAD_LAUNCHES = {"spills": dict(block_m=128, num_splits=1), "smem": dict(tile_n=512, num_splits=1)}
-
-
 def check_fp8_matmul(spec: ModelSpec, target: Target, num_tokens: int = 64) -> dict[str, Any]:
     """`spec` (FP8 W8A8: float8 weights, float8 inputs) built for one H200 as the loader
     builds it there: the operand types of every dot in its compiled forward."""
@@ -414,44 +408,3 @@ def dot_operand_types(hlo: str) -> list[list[str | None]]:
         if dot is not None:
             dots.append([types.get(dot.group(1)), types.get(dot.group(2))])
     return dots
-
-
-def check_attention(
-    model: str,
-    heads: tuple[int, int, int],  # query heads, KV heads, head dim
-    num_tokens: int,
-    num_seqs: int,
-    options: dict[str, Any],
-    target: Target,
-) -> list[dict[str, Any]]:
-    """The Triton attention alone, bf16, block size 16, 128 blocks a row, with `options`
-    (launch knobs, soft_cap, sliding_window; sinks=True passes a sinks operand)."""
-    from jvllm.kernels import jax_triton_attention
-
-    num_heads, num_kv_heads, head_dim = heads
-    device = jax.sharding.SingleDeviceSharding(target.devices()[0])
-    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
-    cache = arg((1024, 16, num_kv_heads, head_dim))
-    meta = [arg((num_seqs, 128), jnp.int32), arg((num_seqs,), jnp.int32)]
-    meta.append(arg((num_seqs + 1,), jnp.int32))
-    knobs = {k: v for k, v in options.items() if k != "sinks"}
-    if options.get("sinks"):
-        meta.append(arg((num_heads,), jnp.float32))
-    scale = head_dim**-0.5
-
-    def attend(q, k, v, tables, lens, qsl, *sinks):
-        return jax_triton_attention.paged_attention(
-            q, k, v, tables, lens, qsl, scale, sinks=sinks[0] if sinks else None, **knobs
-        )
-
-    start = time.perf_counter()
-    lowered = jax.jit(attend).lower(arg((num_tokens, num_heads, head_dim)), cache, cache, *meta)
-    label = f"T={num_tokens} S={num_seqs} {options}"
-    p = CompiledProgram("attention", label, lowered, lowered.compile(), 0.0)
-    p = p._replace(seconds=time.perf_counter() - start)
-    return kernel_rows(model, p, target)
-
-
-def check_bad_launch(knobs: dict[str, int], target: Target) -> list[dict[str, Any]]:
-    """The Triton attention alone, 64 tokens, 32/8 heads of 128, with `knobs`."""
-    return check_attention("bad launch", (32, 8, 128), 64, 64, knobs, target)

@@ -30,15 +30,12 @@ from jvllm.models.loader import read_config
 from jvllm.models.quantization import FloatWeights
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 from jvllm.testing.deviceless import (
-    BAD_LAUNCHES,
     EIGHT_B,
     GPU_ARCH,
     THROUGHPUT_8B,
     TINY,
     UTILIZATION,
     Target,
-    check_attention,
-    check_bad_launch,
     check_fp8_matmul,
     check_model,
     check_tensor_parallel,
@@ -46,6 +43,7 @@ from jvllm.testing.deviceless import (
     kv_cache_for,
     model_on,
 )
+from jvllm.testing.deviceless_attention import BAD_LAUNCHES, check_attention, check_bad_launch
 from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
 
 

@@ -15,8 +15,8 @@ import pytest
 from jvllm import LLM, SamplingParams
 from jvllm.models.loader import load_model
 from jvllm.testing.moe_checkpoints import MOE_ARCHITECTURES, make_moe_checkpoint
+from tests.helpers import hf_greedy, token_prompts
 from tests.models.test_forward import Row, assert_close, hf_logits, make_runner, random_ids
-from tests.test_llm import hf_greedy, token_prompts
 
 PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 40, 64, 80, 100, 120]
 NEW_TOKENS = 10
