@@ -15,10 +15,20 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   by group; every shape is static (`[T * k, ...]`) whatever the routing, so no routing
   compiles a new program. With the "triton" backend (the GPU's) the groups run in
   `kernels/triton_grouped_matmul.py`, which reads only the routed experts' weights.
-  Otherwise `jax.lax.ragged_dot_general` does: XLA:GPU (jaxlib 0.10.2) expands it into
-  dense dots over every expert (docs/moe.md has the deviceless H200 figures), and on a
-  CPU JAX itself expands it into a masked dense product over every expert
-  (`lax._ragged_dot_general_impl`): correct, but every expert is read.
+  Otherwise (the CPU) they run in `layers/grouped_matmul.py`'s tile loop, which reads and
+  multiplies only the non-empty experts. `jax.lax.ragged_dot_general` stays selectable
+  (`cpu_method="ragged_dot"`) but is not the default anywhere: XLA:GPU (jaxlib 0.10.2)
+  expands it into dense dots over every expert (docs/moe.md), and on a CPU JAX itself
+  expands it into a masked dense product over every expert
+  (`lax._ragged_dot_general_impl`). Measured on a shared 2-core CPU, float32, median
+  of 5 alternated calls of the whole layer (router included; `bench/moe.py --layer`,
+  bench/results/moe_cpu_grouped.json), ragged_dot / loop in ms:
+  8 experts top-2, H 256, I 512 at 16/64/256/1024 tokens: 12.0/3.2, 23.6/3.2,
+  53.1/8.5, 206.6/41.7; 64 experts top-4, H 512, I 256: 217/19.3, 344/37.3,
+  1413/73.7, 5784/186. The loop wins at every size, the 16-token decode included
+  (ragged_dot multiplies E times the rows; the loop's few tiles each cost one small dot
+  and loop overhead of a few microseconds), so the issue's small-batch dense exception
+  is not taken on a CPU.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
@@ -37,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jvllm.layers.grouped_matmul import tiled_expert_mlp
 from jvllm.parallel.mesh import AXIS
 
 # lhs [M, K] ragged on M; rhs [G, N, K] (the checkpoint's [out, in]) grouped on G.
@@ -57,8 +68,21 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
     if renormalize:
+        # One division, as Transformers' `router_top_value /= sum`. Not bit-equal in float32
+        # either way: from the same top-k values XLA:CPU matches torch's quotient on 44% of
+        # weights (within 2e-7), and a second division changes that to 44.2%.
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights, experts.astype(jnp.int32))
+
+
+# Off the Triton backend, the experts' grouped matmul: the tile loop ("loop",
+# `layers/grouped_matmul.py`) or `ragged_dot` (which a CPU runs densely). The loop is the
+# default at every size: it was faster at every measured size, 16-token decodes included
+# (module docstring). Its tile is the mean rows per expert rounded up to a power of two,
+# within these bounds (the best of 8/16/32/64 at each measured size).
+CPU_METHODS = ("loop", "ragged_dot")
+DEFAULT_CPU_METHOD = "loop"
+CPU_TILE_BOUNDS = (8, 64)
 
 
 def _grouped(
@@ -73,6 +97,29 @@ def _grouped(
     return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
 
 
+def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile of the CPU loop: about one tile per expert's mean group (static)."""
+    low, high = CPU_TILE_BOUNDS
+    mean = -(-num_pairs // num_experts)
+    return min(high, max(low, 1 << (mean - 1).bit_length()))
+
+
+def _sorted_expert_mlp(
+    rows: jax.Array,  # [T*k, H], sorted by expert
+    weights: tuple[jax.Array, jax.Array, jax.Array],  # gate, up [El, I, H]; down [El, H, I]
+    sorted_experts: jax.Array,  # [T*k] int32
+    group_sizes: jax.Array,  # [El] int32
+    backend: str,
+    cpu_method: str,
+) -> jax.Array:  # [T*k, H]; rows past the groups unspecified
+    if backend != "triton" and cpu_method == "loop":
+        tile = cpu_tile_for(rows.shape[0], group_sizes.shape[0])
+        return tiled_expert_mlp(rows, *weights, group_sizes, tile)
+    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)  # noqa: E731
+    w_gate, w_up, w_down = weights
+    return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)
+
+
 def grouped_expert_mlp(
     x: jax.Array,  # [T, H]
     routing: Routing,
@@ -81,10 +128,15 @@ def grouped_expert_mlp(
     w_down: jax.Array,  # [El, H, I]
     first_expert: jax.Array | int = 0,
     backend: str = "reference",
+    cpu_method: str | None = None,
 ) -> jax.Array:  # [T, H]
     """The experts' contribution to each token, for the `El` experts held here: experts
     `first_expert .. first_expert + El - 1` (all of them when El = E). Pairs routed to
-    other experts sort after every local group and contribute zero."""
+    other experts sort after every local group and contribute zero. `cpu_method` picks
+    the grouped matmul off the Triton backend (None: `DEFAULT_CPU_METHOD`)."""
+    cpu_method = DEFAULT_CPU_METHOD if cpu_method is None else cpu_method
+    if cpu_method not in CPU_METHODS:
+        raise ValueError(f"cpu_method must be one of {CPU_METHODS}, got {cpu_method!r}")
     t, k = routing.experts.shape
     num_local = w_gate.shape[0]
     local = routing.experts - first_expert  # [T, k]
@@ -94,10 +146,8 @@ def grouped_expert_mlp(
     group_sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)  # [El]
     rows = x[order // k]  # [T*k, H]
     sorted_experts = flat[order]  # [T*k]
-    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)
-    gate = grouped(rows, w_gate)  # [T*k, I]
-    up = grouped(rows, w_up)
-    out = grouped(jax.nn.silu(gate) * up, w_down)  # [T*k, H]
+    weights = (w_gate, w_up, w_down)
+    out = _sorted_expert_mlp(rows, weights, sorted_experts, group_sizes, backend, cpu_method)
     weight = jnp.where(mine, routing.weights, 0.0).reshape(-1)[order]  # [T*k] float32
     # Rows past the local groups were never multiplied: select, never scale, them away.
     valid = sorted_experts < num_local
