@@ -11,8 +11,8 @@ the experts its rows route to (expected E * (1 - (1 - k/E)^R) distinct experts u
 uniform routing), at the copy bandwidth this machine measures. vLLM's CPU build is not
 run here (it is not installed in this environment).
 
-`--cpu-method` picks the experts' grouped matmul off the GPU (the tile loop, the
-default, or ragged_dot); `--layer` instead times one MoE layer alone at this model's
+`--cpu-method` picks the experts' grouped matmul off the Triton backend (the tile loop,
+ragged_dot, or auto: the loop on a CPU); `--layer` instead times one MoE layer alone at this model's
 shapes and a wider one (64 experts, top-4) for 16 to 1024 tokens, the two methods
 alternated call by call, and reports their medians.
 
@@ -64,9 +64,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--cpu-method",
-        choices=("loop", "ragged_dot"),
-        default="loop",
-        help="off the Triton backend: the experts' grouped matmul jvllm runs (all sizes)",
+        choices=("auto", "loop", "ragged_dot"),
+        default="auto",
+        help="off the Triton backend: the experts' grouped matmul (auto: the loop on a CPU)",
     )
     p.add_argument("--skip-hf", action="store_true", help="do not run Transformers' generate")
     p.add_argument(

@@ -15,20 +15,19 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   by group; every shape is static (`[T * k, ...]`) whatever the routing, so no routing
   compiles a new program. With the "triton" backend (the GPU's) the groups run in
   `kernels/triton_grouped_matmul.py`, which reads only the routed experts' weights.
-  Otherwise (the CPU) they run in `layers/grouped_matmul.py`'s tile loop, which reads and
-  multiplies only the non-empty experts. `jax.lax.ragged_dot_general` stays selectable
-  (`cpu_method="ragged_dot"`) but is not the default anywhere: XLA:GPU (jaxlib 0.10.2)
-  expands it into dense dots over every expert (docs/moe.md), and on a CPU JAX itself
-  expands it into a masked dense product over every expert
+  Otherwise, in a program lowered for a CPU, they run in `layers/grouped_matmul.py`'s
+  tile loop, which reads and multiplies only the non-empty experts; lowered for another
+  platform, in `jax.lax.ragged_dot_general` (`cpu_method` forces either). XLA:GPU
+  (jaxlib 0.10.2) expands ragged_dot into dense dots over every expert (docs/moe.md),
+  and on a CPU JAX itself expands it into a masked dense product over every expert
   (`lax._ragged_dot_general_impl`). Measured on a shared 2-core CPU, float32, median
   of 5 alternated calls of the whole layer (router included; `bench/moe.py --layer`,
   bench/results/moe_cpu_grouped.json), ragged_dot / loop in ms:
   8 experts top-2, H 256, I 512 at 16/64/256/1024 tokens: 12.0/3.2, 23.6/3.2,
   53.1/8.5, 206.6/41.7; 64 experts top-4, H 512, I 256: 217/19.3, 344/37.3,
   1413/73.7, 5784/186. The loop wins at every size, the 16-token decode included
-  (ragged_dot multiplies E times the rows; the loop's few tiles each cost one small dot
-  and loop overhead of a few microseconds), so the issue's small-batch dense exception
-  is not taken on a CPU.
+  (ragged_dot multiplies every expert for every row; the loop runs only the non-empty
+  tiles), so no small-batch dense path is kept on a CPU.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
@@ -76,12 +75,13 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
 
 
 # Off the Triton backend, the experts' grouped matmul: the tile loop ("loop",
-# `layers/grouped_matmul.py`) or `ragged_dot` (which a CPU runs densely). The loop is the
-# default at every size: it was faster at every measured size, 16-token decodes included
-# (module docstring). Its tile is the mean rows per expert rounded up to a power of two,
-# within these bounds (the best of 8/16/32/64 at each measured size).
-CPU_METHODS = ("loop", "ragged_dot")
-DEFAULT_CPU_METHOD = "loop"
+# `layers/grouped_matmul.py`), `ragged_dot`, or "auto": the loop when the program is
+# lowered for a CPU, ragged_dot for any other platform (the deviceless GPU checks measure
+# XLA's own expansion of it). On a CPU the loop was faster at every measured size,
+# 16-token decodes included (module docstring). Its tile is the mean rows per expert
+# rounded up to a power of two, within these bounds (the best of 8/16/32/64 measured).
+CPU_METHODS = ("auto", "loop", "ragged_dot")
+DEFAULT_CPU_METHOD = "auto"
 CPU_TILE_BOUNDS = (8, 64)
 
 
@@ -112,9 +112,27 @@ def _sorted_expert_mlp(
     backend: str,
     cpu_method: str,
 ) -> jax.Array:  # [T*k, H]; rows past the groups unspecified
-    if backend != "triton" and cpu_method == "loop":
-        tile = cpu_tile_for(rows.shape[0], group_sizes.shape[0])
+    if backend == "triton" or cpu_method == "ragged_dot":
+        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+    tile = cpu_tile_for(rows.shape[0], group_sizes.shape[0])
+
+    def loop() -> jax.Array:
         return tiled_expert_mlp(rows, *weights, group_sizes, tile)
+
+    def ragged() -> jax.Array:
+        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+
+    # "auto": chosen when lowering, for the platform the program is lowered for.
+    return loop() if cpu_method == "loop" else jax.lax.platform_dependent(cpu=loop, default=ragged)
+
+
+def _ragged_expert_mlp(
+    rows: jax.Array,  # [T*k, H], sorted by expert
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    sorted_experts: jax.Array,  # [T*k] int32
+    group_sizes: jax.Array,  # [El] int32
+    backend: str,
+) -> jax.Array:  # [T*k, H]
     grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)  # noqa: E731
     w_gate, w_up, w_down = weights
     return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)

@@ -143,12 +143,23 @@ def test_tile_loop_program_multiplies_one_expert_per_dot():
     tile = cpu_tile_for(tokens * k, num_experts)
     assert tile == 16
     fn = jax.jit(grouped_expert_mlp, static_argnames="cpu_method")
-    loop = fn.lower(x, routing, *weights, cpu_method="loop")
-    assert dot_operand_shapes(loop.as_text()) == {("16x24", "12x24"), ("16x12", "24x12")}
-    compiled_dots = re.findall(r"= f32\[(\d+),\d+\]\{1,0\} dot\(", loop.compile().as_text())
-    assert compiled_dots and set(compiled_dots) == {"16"}
+    for method in ("auto", "loop"):  # "auto" lowered for this CPU takes the loop
+        loop = fn.lower(x, routing, *weights, cpu_method=method)
+        assert dot_operand_shapes(loop.as_text()) == {("16x24", "12x24"), ("16x12", "24x12")}
+        compiled = loop.compile().as_text()
+        compiled_dots = re.findall(r"= f32\[(\d+),\d+\]\{1,0\} dot\(", compiled)
+        assert compiled_dots and set(compiled_dots) == {"16"}
     ragged = fn.lower(x, routing, *weights, cpu_method="ragged_dot").as_text()
     assert ("8x128x24", "8x12x24") in dot_operand_shapes(ragged)
+
+
+def test_auto_lowered_for_a_gpu_keeps_ragged_dot():
+    """Off a CPU, "auto" leaves the grouping to XLA's ragged_dot (no tile loop), which the
+    deviceless GPU checks measure; the GPU itself serves with the Triton kernel."""
+    weights = expert_weights(8)
+    traced = jax.jit(grouped_expert_mlp).trace(hidden(16), random_routing(16, 8, 2, 0), *weights)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('"chlo.ragged_dot"') == 3 and "stablehlo.while" not in text
 
 
 def test_unknown_cpu_method_is_named():
