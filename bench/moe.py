@@ -74,6 +74,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="time the MoE layer alone instead, ragged_dot against the tile loop",
     )
+    p.add_argument("--tile-sweep", action="store_true", help="--layer: also time tiles 8-64")
     p.add_argument("--reps", type=int, default=5, help="--layer: alternating rounds")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -161,19 +162,24 @@ def layer_case(shape: dict[str, int], tokens: int, method: str) -> Any:
     return lambda: fn(*args).block_until_ready()
 
 
+def alternate(calls: dict[Any, Any], reps: int) -> tuple[dict[Any, float], dict[Any, list]]:
+    """Each call timed once per round, round after round (A B A B): medians and samples."""
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(reps):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - start)
+    return {key: float(np.median(t)) for key, t in times.items()}, times
+
+
 def run_layer(reps: int) -> dict[str, Any]:
-    """Median seconds per call of each method, the methods timed alternately (A B A B)."""
+    """Median seconds per call of ragged_dot and the tile loop, timed alternately."""
     out: dict[str, Any] = {}
     for name, shape in LAYER_SHAPES.items():
         for tokens in LAYER_TOKENS:
             calls = {m: layer_case(shape, tokens, m) for m in ("ragged_dot", "loop")}
-            times: dict[str, list[float]] = {m: [] for m in calls}
-            for _ in range(reps):
-                for m, call in calls.items():
-                    start = time.perf_counter()
-                    call()
-                    times[m].append(time.perf_counter() - start)
-            med = {m: float(np.median(t)) for m, t in times.items()}
+            med, times = alternate(calls, reps)
             out[f"{name}/t{tokens}"] = dict(
                 shape=shape,
                 tokens=tokens,
@@ -188,12 +194,37 @@ def run_layer(reps: int) -> dict[str, Any]:
     return out
 
 
+def run_tile_sweep(reps: int, tiles: Sequence[int] = (8, 16, 32, 64)) -> dict[str, Any]:
+    """Median seconds per call of the tile loop at each tile, against the tile jvllm picks."""
+    from jvllm.layers import moe
+
+    bounds, out = moe.CPU_TILE_BOUNDS, {}
+    for name, shape in LAYER_SHAPES.items():
+        for tokens in LAYER_TOKENS:
+            calls = {}
+            for tile in tiles:
+                moe.CPU_TILE_BOUNDS = (tile, tile)  # read when layer_case compiles
+                calls[tile] = layer_case(shape, tokens, "loop")
+            moe.CPU_TILE_BOUNDS = bounds
+            med, _ = alternate(calls, reps)
+            picked = moe.cpu_tile_for(tokens * shape["top_k"], shape["experts"])
+            out[f"{name}/t{tokens}"] = dict(
+                median_s={str(t): v for t, v in med.items()},
+                fastest=min(med, key=med.get),
+                picked=picked,
+            )
+            common.log(f"{name} T={tokens}: {out[f'{name}/t{tokens}']}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     result = common.envelope(__file__, argv)
     if args.layer:
         result.update(layer=run_layer(args.reps), note="shared 2-core machine: noisy")
+        if args.tile_sweep:
+            result.update(tile_sweep=run_tile_sweep(args.reps))
         common.write_result(args.output, result)
         return result
     from jvllm.layers import moe

@@ -21,11 +21,11 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   (jaxlib 0.10.2) expands ragged_dot into dense dots over every expert (docs/moe.md),
   and on a CPU JAX itself expands it into a masked dense product over every expert
   (`lax._ragged_dot_general_impl`). Measured on a shared 2-core CPU, float32, median
-  of 5 alternated calls of the whole layer (router included; `bench/moe.py --layer`,
-  bench/results/moe_cpu_grouped.json), ragged_dot / loop in ms:
-  8 experts top-2, H 256, I 512 at 16/64/256/1024 tokens: 12.0/3.2, 23.6/3.2,
-  53.1/8.5, 206.6/41.7; 64 experts top-4, H 512, I 256: 217/19.3, 344/37.3,
-  1413/73.7, 5784/186. The loop wins at every size, the 16-token decode included
+  of 10 alternated calls of the whole layer, router included (`bench/moe.py --layer`,
+  two runs; bench/results/moe_cpu_grouped.json), ragged_dot / loop in ms:
+  8 experts top-2, H 256, I 512 at 16/64/256/1024 tokens: 13.3/3.8, 22.5/3.5,
+  57.6/14.2, 267.5/41.5; 64 experts top-4, H 512, I 256: 241/30.2, 366/37.3,
+  1279/69.0, 5112/197. The loop wins at every size, the 16-token decode included
   (ragged_dot multiplies every expert for every row; the loop runs only the non-empty
   tiles), so no small-batch dense path is kept on a CPU.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
@@ -79,7 +79,8 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
 # lowered for a CPU, ragged_dot for any other platform (the deviceless GPU checks measure
 # XLA's own expansion of it). On a CPU the loop was faster at every measured size,
 # 16-token decodes included (module docstring). Its tile is the mean rows per expert
-# rounded up to a power of two, within these bounds (the best of 8/16/32/64 measured).
+# rounded up to a power of two, within these bounds: of tiles 8/16/32/64 it was the
+# fastest at 6 of the 8 measured sizes and within 22% at the other two.
 CPU_METHODS = ("auto", "loop", "ragged_dot")
 DEFAULT_CPU_METHOD = "auto"
 CPU_TILE_BOUNDS = (8, 64)
