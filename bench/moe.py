@@ -11,7 +11,14 @@ the experts its rows route to (expected E * (1 - (1 - k/E)^R) distinct experts u
 uniform routing), at the copy bandwidth this machine measures. vLLM's CPU build is not
 run here (it is not installed in this environment).
 
+`--cpu-method` picks the experts' grouped matmul off the Triton backend (the tile loop,
+ragged_dot, or auto: the loop on a CPU); `--layer` instead times one MoE layer alone at this model's
+shapes and a wider one (64 experts, top-4) for 16 to 1024 tokens, the two methods
+alternated call by call, and reports their medians.
+
     python bench/moe.py
+    python bench/moe.py --skip-hf --cpu-method ragged_dot
+    python bench/moe.py --layer --reps 5
 """
 
 from __future__ import annotations
@@ -45,8 +52,30 @@ MODEL = dict(
 VOCAB = 4096
 
 
+# The layer-alone shapes: this benchmark's model, and a wider one with many small experts.
+LAYER_SHAPES = {
+    "e8_top2_h256_i512": dict(experts=8, top_k=2, hidden=256, inter=512),
+    "e64_top4_h512_i256": dict(experts=64, top_k=4, hidden=512, inter=256),
+}
+LAYER_TOKENS = (16, 64, 256, 1024)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--cpu-method",
+        choices=("auto", "loop", "ragged_dot"),
+        default="auto",
+        help="off the Triton backend: the experts' grouped matmul (auto: the loop on a CPU)",
+    )
+    p.add_argument("--skip-hf", action="store_true", help="do not run Transformers' generate")
+    p.add_argument(
+        "--layer",
+        action="store_true",
+        help="time the MoE layer alone instead, ragged_dot against the tile loop",
+    )
+    p.add_argument("--tile-sweep", action="store_true", help="--layer: also time tiles 8-64")
+    p.add_argument("--reps", type=int, default=5, help="--layer: alternating rounds")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -112,18 +141,105 @@ def roofline_tok_s(rows: int, bandwidth: float) -> dict[str, float]:
     return dict(step_bytes=per_step, distinct_experts=distinct, tok_s=rows * bandwidth / per_step)
 
 
+def layer_case(shape: dict[str, int], tokens: int, method: str) -> Any:
+    """A jitted call of one MoE layer (router included) on random weights and tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.layers.moe import grouped_expert_mlp, route
+
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    rng = np.random.default_rng(tokens)
+    draw = lambda *s: jnp.asarray(rng.normal(size=s) * 0.05, jnp.float32)  # noqa: E731
+    args = (draw(tokens, h), draw(e, h), draw(e, i, h), draw(e, i, h), draw(e, h, i))
+
+    def layer(x, router, g, u, d):
+        routing = route(x @ router.T, shape["top_k"], True)
+        return grouped_expert_mlp(x, routing, g, u, d, cpu_method=method)
+
+    fn = jax.jit(layer)
+    fn(*args).block_until_ready()  # compile
+    return lambda: fn(*args).block_until_ready()
+
+
+def alternate(calls: dict[Any, Any], reps: int) -> tuple[dict[Any, float], dict[Any, list]]:
+    """Each call timed once per round, round after round (A B A B): medians and samples."""
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(reps):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - start)
+    return {key: float(np.median(t)) for key, t in times.items()}, times
+
+
+def run_layer(reps: int) -> dict[str, Any]:
+    """Median seconds per call of ragged_dot and the tile loop, timed alternately."""
+    out: dict[str, Any] = {}
+    for name, shape in LAYER_SHAPES.items():
+        for tokens in LAYER_TOKENS:
+            calls = {m: layer_case(shape, tokens, m) for m in ("ragged_dot", "loop")}
+            med, times = alternate(calls, reps)
+            out[f"{name}/t{tokens}"] = dict(
+                shape=shape,
+                tokens=tokens,
+                median_s=med,
+                samples_s=times,
+                loop_speedup=med["ragged_dot"] / med["loop"],
+            )
+            common.log(
+                f"{name} T={tokens}: ragged_dot {med['ragged_dot'] * 1e3:.2f} ms, "
+                f"loop {med['loop'] * 1e3:.2f} ms"
+            )
+    return out
+
+
+def run_tile_sweep(reps: int, tiles: Sequence[int] = (8, 16, 32, 64)) -> dict[str, Any]:
+    """Median seconds per call of the tile loop at each tile, against the tile jvllm picks."""
+    from jvllm.layers import moe
+
+    bounds, out = moe.CPU_TILE_BOUNDS, {}
+    for name, shape in LAYER_SHAPES.items():
+        for tokens in LAYER_TOKENS:
+            calls = {}
+            for tile in tiles:
+                moe.CPU_TILE_BOUNDS = (tile, tile)  # read when layer_case compiles
+                calls[tile] = layer_case(shape, tokens, "loop")
+            moe.CPU_TILE_BOUNDS = bounds
+            med, _ = alternate(calls, reps)
+            picked = moe.cpu_tile_for(tokens * shape["top_k"], shape["experts"])
+            out[f"{name}/t{tokens}"] = dict(
+                median_s={str(t): v for t, v in med.items()},
+                fastest=min(med, key=med.get),
+                picked=picked,
+            )
+            common.log(f"{name} T={tokens}: {out[f'{name}/t{tokens}']}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     result = common.envelope(__file__, argv)
+    if args.layer:
+        result.update(layer=run_layer(args.reps), note="shared 2-core machine: noisy")
+        if args.tile_sweep:
+            result.update(tile_sweep=run_tile_sweep(args.reps))
+        common.write_result(args.output, result)
+        return result
+    from jvllm.layers import moe
+
+    moe.DEFAULT_CPU_METHOD = args.cpu_method  # read when the model's step is traced
     path = build(args.models_dir)
     rng = np.random.default_rng(0)
     shape = (args.num_prompts, args.prompt_len)
     prompts = [[int(t) for t in row] for row in rng.integers(4, VOCAB, shape)]
     common.log(f"jvllm on {path}")
     ours = run_jvllm(path, prompts, args.max_tokens)
-    common.log("transformers generate")
-    hf = run_hf(path, prompts, args.max_tokens)
+    hf = {"tok_s": float("nan"), "output_tokens": 0, "seconds": 0.0, "skipped": True}
+    if not args.skip_hf:
+        common.log("transformers generate")
+        hf = run_hf(path, prompts, args.max_tokens)
     bandwidth = common.measure_copy_bandwidth(64 << 20)
     roof = roofline_tok_s(args.num_prompts, bandwidth)
     result.update(
@@ -136,8 +252,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         copy_bandwidth_bytes_s=bandwidth,
         roofline=roof,
         jvllm_fraction_of_roofline=ours["tok_s"] / roof["tok_s"],
-        note="shared 2-core machine: wall-clock figures are noisy; on CPU JAX expands "
-        "ragged_dot into a dense product over every expert",
+        cpu_method=args.cpu_method,
+        note="shared 2-core machine: wall-clock figures are noisy; with cpu_method "
+        "ragged_dot, JAX on a CPU multiplies every expert for every pair",
     )
     rows = [
         ["jvllm", ours["output_tokens"], ours["seconds"], ours["tok_s"]],

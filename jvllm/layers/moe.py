@@ -15,10 +15,19 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   by group; every shape is static (`[T * k, ...]`) whatever the routing, so no routing
   compiles a new program. With the "triton" backend (the GPU's) the groups run in
   `kernels/triton_grouped_matmul.py`, which reads only the routed experts' weights.
-  Otherwise `jax.lax.ragged_dot_general` does: XLA:GPU (jaxlib 0.10.2) expands it into
-  dense dots over every expert (docs/moe.md has the deviceless H200 figures), and on a
-  CPU JAX itself expands it into a masked dense product over every expert
-  (`lax._ragged_dot_general_impl`): correct, but every expert is read.
+  Otherwise, in a program lowered for a CPU, they run in `layers/grouped_matmul.py`'s
+  tile loop, which reads and multiplies only the non-empty experts; lowered for another
+  platform, in `jax.lax.ragged_dot_general` (`cpu_method` forces either). XLA:GPU
+  (jaxlib 0.10.2) expands ragged_dot into dense dots over every expert (docs/moe.md),
+  and on a CPU JAX itself expands it into a masked dense product over every expert
+  (`lax._ragged_dot_general_impl`). Measured on a shared 2-core CPU, float32, median
+  of 10 alternated calls of the whole layer, router included (`bench/moe.py --layer`,
+  two runs; bench/results/moe_cpu_grouped.json), ragged_dot / loop in ms:
+  8 experts top-2, H 256, I 512 at 16/64/256/1024 tokens: 13.3/3.8, 22.5/3.5,
+  57.6/14.2, 267.5/41.5; 64 experts top-4, H 512, I 256: 241/30.2, 366/37.3,
+  1279/69.0, 5112/197. The loop wins at every size, the 16-token decode included
+  (ragged_dot multiplies every expert for every row; the loop runs only the non-empty
+  tiles), so no small-batch dense path is kept on a CPU.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
@@ -37,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jvllm.layers.grouped_matmul import tiled_expert_mlp
 from jvllm.parallel.mesh import AXIS
 
 # lhs [M, K] ragged on M; rhs [G, N, K] (the checkpoint's [out, in]) grouped on G.
@@ -57,8 +67,23 @@ def route(router_logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
     if renormalize:
+        # One division, as Transformers' `router_top_value /= sum`. Not bit-equal in float32
+        # either way: from the same top-k values XLA:CPU matches torch's quotient on 44% of
+        # weights (within 2e-7), and a second division changes that to 44.2%.
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights, experts.astype(jnp.int32))
+
+
+# Off the Triton backend, the experts' grouped matmul: the tile loop ("loop",
+# `layers/grouped_matmul.py`), `ragged_dot`, or "auto": the loop when the program is
+# lowered for a CPU, ragged_dot for any other platform (the deviceless GPU checks measure
+# XLA's own expansion of it). On a CPU the loop was faster at every measured size,
+# 16-token decodes included (module docstring). Its tile is the mean rows per expert
+# rounded up to a power of two, within these bounds: of tiles 8/16/32/64 it was the
+# fastest at 6 of the 8 measured sizes and within 22% at the other two.
+CPU_METHODS = ("auto", "loop", "ragged_dot")
+DEFAULT_CPU_METHOD = "auto"
+CPU_TILE_BOUNDS = (8, 64)
 
 
 def _grouped(
@@ -73,6 +98,47 @@ def _grouped(
     return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
 
 
+def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile of the CPU loop: about one tile per expert's mean group (static)."""
+    low, high = CPU_TILE_BOUNDS
+    mean = -(-num_pairs // num_experts)
+    return min(high, max(low, 1 << (mean - 1).bit_length()))
+
+
+def _sorted_expert_mlp(
+    rows: jax.Array,  # [T*k, H], sorted by expert
+    weights: tuple[jax.Array, jax.Array, jax.Array],  # gate, up [El, I, H]; down [El, H, I]
+    sorted_experts: jax.Array,  # [T*k] int32
+    group_sizes: jax.Array,  # [El] int32
+    backend: str,
+    cpu_method: str,
+) -> jax.Array:  # [T*k, H]; rows past the groups unspecified
+    if backend == "triton" or cpu_method == "ragged_dot":
+        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+    tile = cpu_tile_for(rows.shape[0], group_sizes.shape[0])
+
+    def loop() -> jax.Array:
+        return tiled_expert_mlp(rows, *weights, group_sizes, tile)
+
+    def ragged() -> jax.Array:
+        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+
+    # "auto": chosen when lowering, for the platform the program is lowered for.
+    return loop() if cpu_method == "loop" else jax.lax.platform_dependent(cpu=loop, default=ragged)
+
+
+def _ragged_expert_mlp(
+    rows: jax.Array,  # [T*k, H], sorted by expert
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    sorted_experts: jax.Array,  # [T*k] int32
+    group_sizes: jax.Array,  # [El] int32
+    backend: str,
+) -> jax.Array:  # [T*k, H]
+    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)  # noqa: E731
+    w_gate, w_up, w_down = weights
+    return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)
+
+
 def grouped_expert_mlp(
     x: jax.Array,  # [T, H]
     routing: Routing,
@@ -81,10 +147,15 @@ def grouped_expert_mlp(
     w_down: jax.Array,  # [El, H, I]
     first_expert: jax.Array | int = 0,
     backend: str = "reference",
+    cpu_method: str | None = None,
 ) -> jax.Array:  # [T, H]
     """The experts' contribution to each token, for the `El` experts held here: experts
     `first_expert .. first_expert + El - 1` (all of them when El = E). Pairs routed to
-    other experts sort after every local group and contribute zero."""
+    other experts sort after every local group and contribute zero. `cpu_method` picks
+    the grouped matmul off the Triton backend (None: `DEFAULT_CPU_METHOD`)."""
+    cpu_method = DEFAULT_CPU_METHOD if cpu_method is None else cpu_method
+    if cpu_method not in CPU_METHODS:
+        raise ValueError(f"cpu_method must be one of {CPU_METHODS}, got {cpu_method!r}")
     t, k = routing.experts.shape
     num_local = w_gate.shape[0]
     local = routing.experts - first_expert  # [T, k]
@@ -94,10 +165,8 @@ def grouped_expert_mlp(
     group_sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)  # [El]
     rows = x[order // k]  # [T*k, H]
     sorted_experts = flat[order]  # [T*k]
-    grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)
-    gate = grouped(rows, w_gate)  # [T*k, I]
-    up = grouped(rows, w_up)
-    out = grouped(jax.nn.silu(gate) * up, w_down)  # [T*k, H]
+    weights = (w_gate, w_up, w_down)
+    out = _sorted_expert_mlp(rows, weights, sorted_experts, group_sizes, backend, cpu_method)
     weight = jnp.where(mine, routing.weights, 0.0).reshape(-1)[order]  # [T*k] float32
     # Rows past the local groups were never multiplied: select, never scale, them away.
     valid = sorted_experts < num_local
