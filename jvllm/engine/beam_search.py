@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from jvllm.config import SchedulerConfig
 from jvllm.engine.request import Request
@@ -50,6 +50,7 @@ class Beam:
     candidates: Candidates | None = None  # set when the beam's row has sampled
     finished: bool = False  # retired: replaced by its children or its group is done
     constraints: Constraints = field(default_factory=Constraints)  # none: beams ban nothing
+    plain_sampling: ClassVar[bool] = False  # its rows are `sampling_row`'s (SamplingBatch)
 
     def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
         r = self.request

@@ -32,12 +32,13 @@ from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.metrics import EngineStats, SpecDecodeStats
 from jvllm.engine.output_processor import OutputProcessor, SampledRows, StepCommit
 from jvllm.engine.request import Request
+from jvllm.engine.sampling_batch import SamplingBatch
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import Speculator, verify
 from jvllm.engine.step_io import (
     PendingResult,
-    SamplingRow,
+    SamplingColumns,
     ScheduledRequest,
     SchedulerOutput,
     StepResult,
@@ -113,6 +114,7 @@ class LLMEngine:
             speculates=self.speculator is not None,
             drafts_every_row=self.speculator is not None and self.speculator.wants_every_row,
         )
+        self.sampling_batch = SamplingBatch()  # the rows' sampling columns, by slot
         self._aborted_outputs: list[RequestOutput] = []  # returned by the next step
         # Drafts are proposed from the tokens of the step before: no overlap.
         self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
@@ -283,15 +285,17 @@ class LLMEngine:
 
     def _sampling(
         self, states: Sequence[SequenceState | Beam], rows: Sequence[ScheduledRequest]
-    ) -> tuple[list[SamplingRow], np.ndarray | None]:
-        return step_sampling(
-            states,
-            rows,
-            self.eos_token_ids,
-            self.output_processor.num_masked > 0,
-            self.structured_outputs,
-            self.vocab_size,
+    ) -> tuple[SamplingColumns, np.ndarray | None]:
+        """The step's sampling columns from the persistent batch; a step with a token
+        mask or draft tokens builds every row whole (`step_sampling`)."""
+        any_masked = self.output_processor.num_masked > 0
+        drafts = self.speculator is not None and any(row.num_spec_tokens for row in rows)
+        if not any_masked and not drafts:
+            return self.sampling_batch.columns(states, rows, self.eos_token_ids), None
+        sampling_rows, bitmask = step_sampling(
+            states, rows, self.eos_token_ids, any_masked, self.structured_outputs, self.vocab_size
         )
+        return SamplingColumns.from_rows(sampling_rows), bitmask
 
     def _commit(self, flight: _InFlight, final_only: bool) -> list[RequestOutput]:
         """Waits for a dispatched step and applies its tokens: the scheduler's first

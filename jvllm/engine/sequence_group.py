@@ -65,6 +65,11 @@ class SequenceState:
         # From this output count on, a row bans nothing (min_tokens reached, no bad
         # words): `sampling_row`'s short path.
         self._bans_until = params.min_tokens if self.constraints.bad_words is None else math.inf
+        # The sampler needs only its constants, seed and step index (`SamplingBatch`),
+        # never a whole `sampling_row`.
+        self.plain_sampling = not (
+            params.uses_penalties or params.logit_bias or self._bans_until or self.constraints.masks
+        )
         self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
         self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text

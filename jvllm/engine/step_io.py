@@ -22,13 +22,15 @@ that step is committed, between the two calls.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import SAMPLER_CONSTANTS, SamplingParams
 
 # The token id a row carries where the device substitutes the previous step's sample.
 PLACEHOLDER_TOKEN = 0
@@ -90,12 +92,53 @@ class SamplingRow(NamedTuple):
 
 
 @dataclass(frozen=True)
+class SamplingColumns:
+    """A step's sampling rows as columns: every row's request constants, seed and step
+    index, gathered from the engine's persistent batch (`engine/sampling_batch.py`);
+    only the rows that need more (bans, penalties, logit bias, drafts, a pending
+    output) carry a whole `SamplingRow` in `special`, whose scalars the columns repeat."""
+
+    constants: np.ndarray  # [R] SAMPLER_CONSTANTS records
+    seeds: np.ndarray  # [R] int64, each in [0, 2**32)
+    step_index: np.ndarray  # [R] int64: tokens the row's sequence generated before it
+    special: dict[int, SamplingRow]  # sampling row -> its whole row
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow]) -> SamplingColumns:
+        """The columns of whole rows (each row with more than its scalars is special)."""
+        n = len(rows)
+        constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), SAMPLER_CONSTANTS)
+        flat = itertools.chain.from_iterable(map(_SEED_AND_STEP, rows))
+        seed_step = np.fromiter(flat, np.int64, 2 * n).reshape(n, 2)  # [n, 2]
+        special = {i: row for i, row in enumerate(rows) if _needs_whole_row(row)}
+        return cls(constants.copy(), seed_step[:, 0], seed_step[:, 1], special)
+
+
+def _needs_whole_row(row: SamplingRow) -> bool:
+    return bool(
+        row.banned_token_ids
+        or row.params.logit_bias
+        or row.params.uses_penalties
+        or row.pending_output
+        or row.draft_q_row >= 0
+        or row.draft_token_id >= 0
+    )
+
+
+_ROW_CONSTANTS = operator.attrgetter("params.sampler_constants")
+_SEED_AND_STEP = operator.attrgetter("seed", "step_index")
+
+
+@dataclass(frozen=True)
 class StepSampling:
     """What the sampler needs for the step whose forward was queued last."""
 
     # One per scheduled row that samples nothing too (an idle row); a row verifying k
     # draft tokens takes 1 + k consecutive ones, one per position it scores.
-    rows: Sequence[SamplingRow]
+    rows: SamplingColumns
     # i32[len(rows), ceil(V / 32)]: bit t of a row allows token t; None: all allowed.
     token_bitmask: np.ndarray | None = None
     # Per scheduled row and new token, the next prompt token to score (prompt

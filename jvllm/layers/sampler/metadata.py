@@ -16,14 +16,12 @@ those sizes in all, reuse the program warm-up compiled.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from jvllm.engine.step_io import SamplingRow
+from jvllm.engine.step_io import SamplingColumns, SamplingRow
 from jvllm.sampling_params import SAMPLER_CONSTANTS
 
 # The runner builds these on the host as numpy; inside jit they are jax arrays.
@@ -98,18 +96,22 @@ def bias_entries_needed(rows: Sequence[SamplingRow]) -> int:
     return sum(len(r.banned_token_ids) + len(r.params.logit_bias or ()) for r in rows)
 
 
-def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> SamplingMetadata:
-    """Pack rows into numpy arrays padded to num_rows; padding rows are greedy, unpenalised.
+def make_sampling_metadata(
+    rows: Sequence[SamplingRow] | SamplingColumns, num_rows: int
+) -> SamplingMetadata:
+    """Pack rows (whole rows, or the engine's columns) into numpy arrays padded to
+    num_rows; padding rows are greedy, unpenalised.
 
     The bias list is MIN_BIAS_ENTRIES long and the penalty list MIN_PENALTY_ENTRIES, or
     each the next power of two that holds its entries."""
-    if len(rows) > num_rows:
-        raise ValueError(f"got {len(rows)} rows but num_rows={num_rows}; num_rows must be >= it")
-    n = len(rows)
-    # [n] structured: every row's request constants by name (`sampler_constants`).
-    constants = np.frombuffer(b"".join(map(_ROW_CONSTANTS, rows)), SAMPLER_CONSTANTS)
-    biased = [i for i, r in enumerate(rows) if r.banned_token_ids or r.params.logit_bias]
-    needed = bias_entries_needed([rows[i] for i in biased])
+    columns = rows if isinstance(rows, SamplingColumns) else SamplingColumns.from_rows(rows)
+    n = len(columns)
+    if n > num_rows:
+        raise ValueError(f"got {n} rows but num_rows={num_rows}; num_rows must be >= it")
+    special = columns.special
+    constants = columns.constants  # [n] structured: the rows' request constants by name
+    biased = [i for i, r in special.items() if r.banned_token_ids or r.params.logit_bias]
+    needed = bias_entries_needed([special[i] for i in biased])
     num_bias = max(MIN_BIAS_ENTRIES, 1 << max(needed - 1, 0).bit_length())
     # `SamplingParams.uses_penalties` of each row, read from its constants at once.
     penalised = np.flatnonzero(
@@ -117,7 +119,9 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
         | (constants["frequency_penalty"] != 0.0)
         | (constants["repetition_penalty"] != 1.0)
     ).tolist()
-    histories = [_penalty_entries(rows[i]) for i in penalised]
+    if missing := [i for i in penalised if i not in special]:
+        raise ValueError(f"row {missing[0]} uses penalties but has no SamplingRow in special")
+    histories = [_penalty_entries(special[i]) for i in penalised]
     num_history = sum(len(ids) for ids, _ in histories)
     num_penalty = max(MIN_PENALTY_ENTRIES, 1 << max(num_history - 1, 0).bit_length())
     md = SamplingMetadata(
@@ -142,22 +146,18 @@ def make_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampli
         draft_q_rows=np.full(num_rows, -1, np.int32),
         used_rows=np.array([n], np.int32),
     )
-    _fill_scalars(md, rows, constants)
-    _fill_biases(md, rows, biased)
+    _fill_scalars(md, columns)
+    _fill_biases(md, special, biased)
     _fill_penalty_histories(md, penalised, histories)
     return md
 
 
-def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow], constants: np.ndarray) -> None:
-    """Per-row scalars: each row's request constants (`constants`, structured [rows])
-    and its own integers, each gathered in one pass over the rows (the per-step host
-    cost at hundreds of rows)."""
-    n = len(rows)
+def _fill_scalars(md: SamplingMetadata, columns: SamplingColumns) -> None:
+    """Per-row scalars: the columns as they are, and the special rows' own integers."""
+    n = len(columns)
     if not n:
         return
-    flat = itertools.chain.from_iterable(map(_ROW_INTS, rows))
-    own = np.fromiter(flat, np.int64, len(_OWN_INT_FIELDS) * n).view(_OWN_INTS)  # [n]
-    seeds, steps = own["seed"], own["step_index"]
+    seeds, steps = columns.seeds, columns.step_index
     bad = np.flatnonzero((seeds < 0) | (seeds > _U32_MAX))
     if bad.size:
         raise ValueError(f"row {bad[0]}: seed must be in [0, 2**32), got {seeds[bad[0]]}")
@@ -166,21 +166,15 @@ def _fill_scalars(md: SamplingMetadata, rows: Sequence[SamplingRow], constants: 
         raise ValueError(f"row {bad[0]}: step_index must be >= 0, got {steps[bad[0]]}")
     md.seeds[:n] = seeds
     md.step_index[:n] = steps
-    md.pending_output[:n] = own["pending_output"]
-    md.draft_token_ids[:n] = own["draft_token_id"]
-    md.draft_q_rows[:n] = own["draft_q_row"]
+    for i, row in columns.special.items():
+        md.pending_output[i] = row.pending_output
+        md.draft_token_ids[i] = row.draft_token_id
+        md.draft_q_rows[i] = row.draft_q_row
     for name in SAMPLER_CONSTANTS.names:
-        getattr(md, name)[:n] = constants[name]
+        getattr(md, name)[:n] = columns.constants[name]
 
 
-# A SamplingRow's own integers, and its request's constants, as named numpy fields.
-_OWN_INT_FIELDS = ("seed", "step_index", "pending_output", "draft_token_id", "draft_q_row")
-_OWN_INTS = np.dtype([(name, np.int64) for name in _OWN_INT_FIELDS])
-_ROW_INTS = operator.attrgetter(*_OWN_INT_FIELDS)
-_ROW_CONSTANTS = operator.attrgetter("params.sampler_constants")
-
-
-def _fill_biases(md: SamplingMetadata, rows: Sequence[SamplingRow], biased: list[int]) -> None:
+def _fill_biases(md: SamplingMetadata, rows: dict[int, SamplingRow], biased: list[int]) -> None:
     """The biased rows' logit_bias entries, then their bans (-inf), into the flat list."""
     at = 0
     for i in biased:
