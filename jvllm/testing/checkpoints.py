@@ -76,25 +76,36 @@ def make_checkpoint(
 ) -> Path:
     """Builds a random-weight checkpoint of `arch` with the tokenizer copied beside it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     out = Path(out_dir)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    special = dict(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    config = _config(arch, len(tok), special, overrides)
+    vocab_size, special = tokenizer_special_ids(tokenizer_dir)
+    config = _config(arch, vocab_size, special, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(getattr(torch, dtype)).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def tokenizer_special_ids(tokenizer_dir: str | Path) -> tuple[int, dict[str, int]]:
+    """The tokenizer's vocabulary size and its BOS/EOS/PAD ids as config keywords."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    return len(tok), dict(zip(("bos_token_id", "eos_token_id", "pad_token_id"), ids, strict=True))
+
+
+def copy_tokenizer(tokenizer_dir: str | Path, out: Path) -> None:
+    """The tokenizer's files beside a checkpoint, as the Hub lays them out."""
     for f in Path(tokenizer_dir).iterdir():
         if f.is_file():
             shutil.copy(f, out / f.name)
-    return out
 
 
 # -- any size, no torch ----------------------------------------------------------------

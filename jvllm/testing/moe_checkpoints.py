@@ -11,9 +11,10 @@ nothing of jvllm.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
+
+from jvllm.testing.checkpoints import copy_tokenizer, tokenizer_special_ids
 
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 
@@ -94,16 +95,13 @@ def make_moe_checkpoint(
     """A random float32 checkpoint of `arch` with the tokenizer copied beside it."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if arch not in MOE_ARCHITECTURES:
         raise ValueError(f"arch must be one of {MOE_ARCHITECTURES}, got {arch!r}")
     out = Path(out_dir)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    special = dict(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    config = _config(arch, len(tok), special, overrides)
+    vocab_size, special = tokenizer_special_ids(tokenizer_dir)
+    config = _config(arch, vocab_size, special, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     perturb_constants(model)
@@ -115,9 +113,7 @@ def make_moe_checkpoint(
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(tokenizer_dir, out)
     return out
 
 
