@@ -413,19 +413,22 @@ async def _warm_up(base_url: str, model: str) -> None:
 
 
 def _scrape(base_url: str) -> dict[str, float]:
-    """Unlabelled `jvllm:*` samples of /metrics (empty when the server has none)."""
+    """`vllm:*` and `jvllm:*` samples of /metrics labelled by nothing but `model_name` and
+    `engine` (the server's totals), summed over engines; empty when the server has none."""
     import httpx
 
     try:
         text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("jvllm:") and "{" not in name:
+        sample, _, value = line.rpartition(" ")
+        name, _, labels = sample.partition("{")
+        keys = {pair.split("=")[0] for pair in labels.rstrip("}").split(",") if pair}
+        if name.startswith(("vllm:", "jvllm:")) and keys <= {"model_name", "engine"}:
             with contextlib.suppress(ValueError):  # a NaN or odd sample: leave it out
-                values[name] = float(value)
+                values[name] = values.get(name, 0.0) + float(value)
     return values
 
 

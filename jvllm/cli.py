@@ -61,7 +61,9 @@ _HELP = {
     "tensor_parallel_size devices)",
     "pipeline_micro_batches": "micro-batches a step runs through the pipeline stages "
     "(default: one per stage; 1 runs one batch through the stages at a time)",
-    "scheduling_policy": "continuous batching, or static batches (for comparison)",
+    "scheduling_policy": "continuous batching first come first served (fcfs is the same), "
+    "by each request's priority (lower first, ties by arrival), or static batches "
+    "(for comparison)",
     "async_scheduling": "schedule the next step while the device runs this one",
     "preemption_mode": "what preemption does to a request's KV blocks: recompute them "
     "later, or swap them to host memory and back",

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULING_POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "reference")
 
@@ -95,6 +95,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # "continuous" (vLLM's "fcfs", the same): first come, first served; "priority":
+    # lower Request.priority first, ties by arrival, preempting the lowest first;
+    # "static": whole batches, a baseline for comparison.
     scheduling_policy: str = "continuous"
     # Schedule step N + 1 while step N runs (vLLM's async scheduling); False waits for
     # each step before scheduling the next.

@@ -69,7 +69,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one per prompt, with scheduling_policy="priority" (lower first)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -90,7 +92,9 @@ class LLM:
         specs = [p.structured_outputs for p in params if p.structured_outputs is not None]
         for future in [self.engine.structured_outputs.compile(s) for s in specs]:
             future.result()
-        ids = self._add_all(prompts, params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, priority)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -154,13 +158,17 @@ class LLM:
         return results
 
     def _add_all(
-        self, prompts: list[Prompt], params: Sequence[SamplingParams | BeamSearchParams]
+        self,
+        prompts: list[Prompt],
+        params: Sequence[SamplingParams | BeamSearchParams],
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
         added: list[str] = []
+        priorities = [0] * len(prompts) if priority is None else priority
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=rank)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt leaves no half-submitted batch behind.

@@ -3,8 +3,8 @@
 Owns the only thread that may touch the `LLMEngine` (it is not thread-safe). Callers
 on the event loop never call the engine: they queue commands (add, abort, stop) that
 the engine thread applies between steps, and read each request's outputs from a
-`RequestStream`. It also times requests (queue time, TTFT, inter-token latency,
-end-to-end) for a `LatencyObserver`, keeps a snapshot of `get_metrics()` that any
+`RequestStream`. It also times requests (`jvllm.engine.request_timing`) for a
+`LatencyObserver`, keeps a snapshot of `get_metrics()` that any
 thread may read, and turns an engine crash into an error on every in-flight stream.
 
 Streams are cumulative and coalescing: each item is the request's full output so far
@@ -27,9 +27,9 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from jvllm.engine.request_timing import LatencyObserver, NoObserver, RequestTiming
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,8 +38,6 @@ logger = logging.getLogger("jvllm.async_llm")
 
 # Seconds a request's grammar may take to compile before the request is refused.
 GRAMMAR_COMPILE_TIMEOUT_S = 30.0
-# Names passed to LatencyObserver.observe, one per latency histogram.
-QUEUE_TIME, TTFT, ITL, E2E = "queue_time", "time_to_first_token", "inter_token_latency", "e2e"
 
 
 class EngineDeadError(RuntimeError):
@@ -77,11 +75,6 @@ class Engine(Protocol):
     def get_metrics(self) -> dict[str, float]: ...
 
 
-class LatencyObserver(Protocol):
-    def observe(self, name: str, seconds: float) -> None:
-        """Called on the engine thread with one of QUEUE_TIME, TTFT, ITL, E2E."""
-
-
 class _Add(NamedTuple):
     request_id: str
     prompt: Any
@@ -89,6 +82,7 @@ class _Add(NamedTuple):
     arrival: float
     done: concurrent.futures.Future[None]
     final_only: bool = False
+    priority: int = 0
 
 
 class _Abort(NamedTuple):
@@ -97,16 +91,6 @@ class _Abort(NamedTuple):
 
 class _Stop(NamedTuple):
     pass
-
-
-@dataclass
-class _Timing:
-    arrival: float
-    scheduled: bool = False
-    last_token: float | None = None
-    num_tokens: int = 0
-    delta: bool = False  # RequestOutputKind.DELTA: each output carries only new tokens
-    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: the stream gets the last one
 
 
 class RequestStream:
@@ -185,12 +169,12 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.max_queued_requests = max_queued_requests
-        self._observer = observer
+        self._observer: LatencyObserver = observer or NoObserver()
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop-owned
         self._num_queued = 0  # loop-owned
-        self._timings: dict[str, _Timing] = {}  # engine-thread-owned
+        self._timings: dict[str, RequestTiming] = {}  # engine-thread-owned
         self._applying: list[_Add | _Abort | _Stop] = []  # engine-thread-owned
         self._metrics: dict[str, float] = dict(engine.get_metrics())
         self._dead: str | None = None
@@ -212,9 +196,10 @@ class AsyncLLM:
         return self._metrics
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams
+        self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
-        """Queues a request; raises ValueError (bad input), QueueFullError or EngineDeadError."""
+        """Queues a request; raises ValueError (bad input), QueueFullError or EngineDeadError.
+        `priority`: lower first, with scheduling_policy="priority"."""
         self._check_alive()
         if self.max_queued_requests is not None and self._num_queued >= self.max_queued_requests:
             raise QueueFullError(f"{self._num_queued} requests are already waiting")
@@ -233,7 +218,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._num_queued += 1
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), done, final_only))
+        arrival = time.monotonic()
+        self._commands.put(_Add(request_id, prompt, params, arrival, done, final_only, priority))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -369,13 +355,19 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Abort):
                 self._engine.abort_request(command.request_id)
-                self._timings.pop(command.request_id, None)
+                timing = self._timings.pop(command.request_id, None)
+                if timing is not None:
+                    self._observer.finished(timing.aborted(time.monotonic()))
                 continue
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it
             try:
                 self._engine.add_request(
-                    command.request_id, command.prompt, command.params, command.arrival
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    command.arrival,
+                    priority=command.priority,
                 )
             except ValueError as e:  # InvalidRequestError keeps the field it names
                 command.done.set_exception(e)
@@ -383,9 +375,13 @@ class AsyncLLM:
             except TypeError as e:
                 command.done.set_exception(ValueError(str(e)))
                 continue
-            delta = getattr(command.params, "output_kind", None) == RequestOutputKind.DELTA
-            self._timings[command.request_id] = _Timing(
-                command.arrival, delta=delta, final_only=command.final_only
+            params = command.params
+            self._timings[command.request_id] = RequestTiming(
+                command.arrival,
+                n=getattr(params, "n", 1),
+                max_tokens=getattr(params, "max_tokens", None),
+                delta=getattr(params, "output_kind", None) == RequestOutputKind.DELTA,
+                final_only=command.final_only,
             )
             command.done.set_result(None)
         return True
@@ -408,30 +404,14 @@ class AsyncLLM:
         if delivered or started:
             self._call_on_loop(self._deliver, delivered, started)
 
-    def _time(self, output: RequestOutput, timing: _Timing, step_start: float, now: float) -> bool:
+    def _time(
+        self, output: RequestOutput, timing: RequestTiming, step_start: float, now: float
+    ) -> bool:
         """Observes the output's latencies; whether its stream wants it."""
-        observe = self._observer.observe if self._observer else _ignore
-        if not timing.scheduled:
-            timing.scheduled = True
-            observe(QUEUE_TIME, step_start - timing.arrival)
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        if timing.delta:
-            num_tokens += timing.num_tokens  # a delta's tokens come on top of earlier ones
-        if num_tokens > timing.num_tokens:
-            if timing.last_token is None:
-                observe(TTFT, now - timing.arrival)
-            else:
-                observe(ITL, now - timing.last_token)
-            timing.last_token, timing.num_tokens = now, num_tokens
+        wanted = timing.on_output(output, step_start, now, self._observer)
         if output.finished:
-            observe(E2E, now - timing.arrival)
             del self._timings[output.request_id]
-            return True
-        return not timing.final_only
-
-
-def _ignore(name: str, seconds: float) -> None:
-    pass
+        return wanted
 
 
 def _settle(future: concurrent.futures.Future[None], error: Exception) -> None:

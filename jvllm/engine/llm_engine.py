@@ -47,7 +47,7 @@ from jvllm.engine.step_io import (
 )
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.token_constraints import constraints_for, step_sampling
-from jvllm.engine.validation import validate_request
+from jvllm.engine.validation import check_priority, validate_request
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -131,11 +131,14 @@ class LLMEngine:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validates and queues a request (a beam search with BeamSearchParams); raises
-        ValueError before it enters the engine."""
+        ValueError before it enters the engine. `priority` (scheduling_policy="priority"):
+        lower runs first."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduler_config.scheduling_policy)
         text, ids = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
@@ -151,7 +154,7 @@ class LLMEngine:
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
             source = group.child_ids[0] if index else None
-            request = Request(child_id, ids, params, arrival, fork_source=source)
+            request = Request(child_id, ids, params, arrival, fork_source=source, priority=priority)
             seed = self._seed_for(params, index)
             state = SequenceState(
                 request,

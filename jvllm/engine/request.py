@@ -58,11 +58,14 @@ class Request:
         fork_source: str | None = None,
         beam_group: str | None = None,
         beam_width: int = 1,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
+        # scheduling_policy="priority": lower runs first, ties by arrival (vLLM's rule).
+        self.priority = priority
         self.fork_source = fork_source
         self.beam_group = beam_group
         self.beam_width = beam_width

@@ -62,3 +62,15 @@ def validate_request(
     check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids")
     check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
     check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request's priority: an int, and other than 0 only under the priority policy."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an int, got {priority!r}", "priority")
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidRequestError(
+            f"got priority {priority}, but scheduling_policy is {scheduling_policy!r}; "
+            "start the engine with scheduling_policy='priority' to use priorities",
+            "priority",
+        )

@@ -18,12 +18,14 @@ a lost leader ends the followers with 1; a clean stop of the leader stops them w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -181,7 +183,8 @@ def run_server(
     if liveness is not None:  # the multi-host leader
         publisher = step_channel.StepPublisher(step_channel.coordination_client())
         engine.runner.publisher = publisher
-    metrics = ServerMetrics()
+    names = list(config.served_model_names) or [model_path]
+    metrics = ServerMetrics(names[0], engine.max_model_len, cache_config_info=_cache_info(engine))
     server: _DrainingServer | None = None
 
     def on_dead() -> None:
@@ -199,7 +202,6 @@ def run_server(
     metrics.attach(async_llm.metrics)
     if liveness is not None:
         liveness.on_lost = async_llm.fail
-    names = list(config.served_model_names) or [model_path]
     ctx = ServingContext(
         async_llm,
         names,
@@ -274,6 +276,12 @@ def _cors(config: ServerConfig) -> CORSPolicy:
         config.allowed_headers,
         config.allow_credentials,
     )
+
+
+def _cache_info(engine: Any) -> dict[str, Any]:
+    """vllm:cache_config_info's labels: the cache configuration and the usable blocks."""
+    info = dataclasses.asdict(engine.config.cache_config)
+    return info | {"num_gpu_blocks": engine.get_metrics()["num_total_blocks"]}
 
 
 def _uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:

@@ -117,6 +117,8 @@ class SamplingRequest(Strict):
     # vLLM's beam search extras: n beams, Transformers' length penalty.
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    # vLLM's scheduling extra: with --scheduling-policy priority, lower runs first.
+    priority: Int64 = 0
 
     @property
     def include_usage(self) -> bool:

@@ -112,7 +112,11 @@ class ServingContext:
         return requested
 
     async def submit(
-        self, prefix: str, prompts: list[Prompt], params: list[SamplingParams]
+        self,
+        prefix: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Adds every prompt, or none: a failure aborts those already added."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -122,7 +126,8 @@ class ServingContext:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 if self.log_requests:
                     self._log_request(rid, prompt, p)
-                streams.append(await self.engine.add_request(rid, prompt.engine_input(), p))
+                stream = await self.engine.add_request(rid, prompt.engine_input(), p, priority)
+                streams.append(stream)
         except BaseException as e:
             for stream in streams:
                 stream.close()

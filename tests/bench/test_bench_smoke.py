@@ -303,8 +303,8 @@ def test_serve_against_jvllm_serve(tmp_path: Path) -> None:
         assert run["output_throughput"] * duration == pytest.approx(output_tokens, rel=1e-9)
         assert run["total_token_throughput"] * duration == pytest.approx(total_tokens, rel=1e-9)
         counters = run["server_counters"]
-        assert counters["jvllm:generation_tokens_total"] == output_tokens
-        assert counters["jvllm:prompt_tokens_total"] == workload["total_input_tokens"]
+        assert counters["vllm:generation_tokens_total"] == output_tokens
+        assert counters["vllm:prompt_tokens_total"] == workload["total_input_tokens"]
         assert run["goodput"] is not None and 0 <= run["goodput"] <= run["request_throughput"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             dist = run[key]
@@ -332,10 +332,10 @@ def test_serve_whole_responses_keep_the_servers_latency_observations(tmp_path: P
     assert run["ttft_ms"]["p50"] is None and run["itl_ms"]["p50"] is None
     assert 0 < run["e2el_ms"]["p50"] <= run["e2el_ms"]["p99"]
     counters = run["server_counters"]
-    assert counters["jvllm:generation_tokens_total"] == output_tokens
-    assert counters["jvllm:time_to_first_token_seconds_count"] == 4
-    assert counters["jvllm:inter_token_latency_seconds_count"] == output_tokens - 4
-    assert counters["jvllm:e2e_request_latency_seconds_count"] == 4
+    assert counters["vllm:generation_tokens_total"] == output_tokens
+    assert counters["vllm:time_to_first_token_seconds_count"] == 4
+    assert counters["vllm:inter_token_latency_seconds_count"] == output_tokens - 4
+    assert counters["vllm:e2e_request_latency_seconds_count"] == 4
 
 
 def test_pipeline_tiny(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import threading
 import pytest
 
 from jvllm import LLM, RequestOutputKind, SamplingParams
-from jvllm.engine.async_llm import E2E, AsyncLLM
+from jvllm.engine.async_llm import AsyncLLM
+from jvllm.engine.request_timing import E2E, FinishedRequestStats
 from jvllm.outputs import RequestOutput
 from tests.helpers import prompts
 
@@ -148,6 +149,9 @@ def test_a_slow_reader_gets_folded_deltas(checkpoints):
         def observe(self, name: str, seconds: float) -> None:
             if name == E2E:
                 self.done.set()
+
+        def finished(self, stats: FinishedRequestStats) -> None:
+            pass
 
     async def read_slowly() -> tuple[RequestOutput, int]:
         finish = Finish()

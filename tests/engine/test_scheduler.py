@@ -13,6 +13,7 @@ from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.kv import kv_cache_manager
 from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.request import Request, RequestStatus
+from jvllm.engine.scheduling.admission import priority_key
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.spec_decode import verify
 from jvllm.engine.step_io import PLACEHOLDER_TOKEN, SchedulerOutput
@@ -375,6 +376,10 @@ class _Trace:
         self.beams: dict[str, list[Request]] = {}
         self.num_beams_made = 0
         self.num_selections = 0
+        self.by_priority = policy == "priority"
+        self.clock = 0.0  # arrival times: the step a group arrived at
+        # Preemptions of a request ranked below the head of `running` (priority policy).
+        self.num_priority_preemptions = 0
 
     def run(self, num_groups: int) -> None:
         num_added, step, last_arrival = 0, 0, 0
@@ -385,6 +390,7 @@ class _Trace:
                 last_arrival = step
             self._step(aborts=num_added < num_groups)
             step += 1
+            self.clock = float(step)
             # No starvation: the oldest running request is never preempted and computes a
             # token every step, so each request is the oldest for at most max_model_len steps.
             if num_added == num_groups:
@@ -415,12 +421,15 @@ class _Trace:
             self._add_beam_group(request_id, prompt, rng.randint(1, min(width_cap, 4)))
             return
         n = rng.choice([1, 1, 1, 2, 3])
+        priority = rng.choice([-1, 0, 0, 2]) if self.by_priority else 0
         for i in range(n):
             child_id = request_id if i == 0 else f"{request_id}.{i}"
             fork_source = request_id if i > 0 else None
             max_tokens = rng.randint(1, self.max_model_len)
             params = SamplingParams(max_tokens=max_tokens)
-            request = Request(child_id, prompt, params, fork_source=fork_source)
+            request = Request(
+                child_id, prompt, params, self.clock, fork_source=fork_source, priority=priority
+            )
             self.scheduler.add_request(request)
             self.unfinished[child_id] = request
             self.tokens[child_id] = list(prompt)
@@ -430,7 +439,10 @@ class _Trace:
 
     def _add_beam_group(self, group_id: str, prompt: list[int], width: int) -> None:
         """A beam search: one request until its first selection, then `width` beams."""
-        root = Request(f"{group_id}#0", prompt, SamplingParams(max_tokens=None))
+        priority = self.rng.choice([-1, 0, 2]) if self.by_priority else 0
+        root = Request(
+            f"{group_id}#0", prompt, SamplingParams(max_tokens=None), self.clock, priority=priority
+        )
         root.beam_group, root.beam_width = group_id, width
         self.scheduler.add_request(root)
         self.beams[group_id] = [root]
@@ -461,6 +473,8 @@ class _Trace:
                     f"{group_id}#{self.num_beams_made}",
                     parent.prompt_token_ids,
                     parent.sampling_params,
+                    parent.arrival_time,
+                    priority=parent.priority,
                 )
                 child.beam_group, child.beam_width = group_id, parent.beam_width
                 child.output_token_ids = [*parent.output_token_ids, self.rng.randrange(self.vocab)]
@@ -492,6 +506,8 @@ class _Trace:
             assert not self.unfinished[row.request_id].spec_token_ids
         self._check_output(output, running_before, before)
         self._check_blocks()
+        if self.by_priority:
+            self._check_priority_order(output)
         sampled, verified = self._simulate_forward(output)
         if aborts and output.scheduled and self.rng.random() < 0.05:
             self._finish(
@@ -507,6 +523,20 @@ class _Trace:
             self._finish(self.rng.choice(list(self.unfinished)), RequestStatus.FINISHED_ABORTED)
         for request_id, request in self.unfinished.items():
             assert request.all_token_ids == self.tokens[request_id]
+
+    def _check_priority_order(self, output: SchedulerOutput) -> None:
+        """Every queue sorted by (priority, arrival), and no preempted request ranked above
+        one left running: vLLM's priority policy."""
+        sched = self.scheduler
+        for queue in (sched.waiting, sched.running, sched.swapped):
+            keys = [priority_key(r) for r in queue]
+            assert keys == sorted(keys), keys
+        if output.preempted_request_ids and sched.running:
+            worst_running = priority_key(sched.running[-1])
+            for request_id in output.preempted_request_ids:
+                request = sched._requests.get(request_id) or self.unfinished[request_id]
+                assert priority_key(request) >= worst_running, (request, sched.running)
+                self.num_priority_preemptions += request.priority > sched.running[0].priority
 
     def _propose(self) -> None:
         """Random drafts for running decodes, as long as the engine's Speculator allows."""
@@ -573,8 +603,14 @@ class _Trace:
         assert len(running) <= config.max_num_seqs
         lengths = [len(row.token_ids) for row in output.scheduled]
         assert output.num_scheduled_tokens == sum(lengths) <= config.max_num_batched_tokens
-        order = [running.index(row.request_id) for row in output.scheduled]
-        assert order == sorted(set(order))  # running order: the admitted come last
+        # Rows in running order, the admitted last; sorted by priority, the admitted join
+        # `running` at their rank, so only the rows of requests already running are ordered.
+        order = [
+            running.index(row.request_id)
+            for row in output.scheduled
+            if not self.by_priority or row.request_id in running_before
+        ]
+        assert order == sorted(set(order))
         for row in output.scheduled:
             request = self.unfinished[row.request_id]
             start, end = row.start_position, row.start_position + len(row.token_ids)
@@ -725,7 +761,7 @@ class _Trace:
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlap", "spec"])
-@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("policy", ["continuous", "static", "priority"])
 @pytest.mark.parametrize("caching", ["off", "on", "colliding"])
 def test_random_traces_keep_every_invariant(policy, caching, mode, monkeypatch):
     if caching == "colliding":
@@ -733,11 +769,45 @@ def test_random_traces_keep_every_invariant(policy, caching, mode, monkeypatch):
         monkeypatch.setattr(
             kv_cache_manager, "hash_block_tokens", lambda parent, tokens: (parent + sum(tokens)) % 3
         )
-    num_selections = num_kept = 0
+    num_selections = num_kept = num_by_priority = 0
     for seed in range(100):
         trace = _Trace(seed, policy, caching != "off", mode == "overlap", mode == "spec")
         trace.run(num_groups=12)
         num_selections += trace.num_selections
         num_kept += trace.num_kept_drafts
+        num_by_priority += trace.num_priority_preemptions
+    # Priority decided some preemptions: a lower-ranked request gave way to a higher one.
+    assert policy != "priority" or num_by_priority > 10
     assert policy == "static" or num_selections > 100  # beam searches forked and ran
     assert mode != "spec" or num_kept > 100  # rows kept drafts and rolled back others
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = _scheduler(max_num_seqs=2, policy="priority")
+    _add(scheduler, "late_low", [1, 2], priority=5, arrival_time=1.0)
+    _add(scheduler, "early_mid", [1, 2], priority=0, arrival_time=2.0)
+    _add(scheduler, "urgent", [1, 2], priority=-1, arrival_time=3.0)
+    _add(scheduler, "later_mid", [1, 2], priority=0, arrival_time=4.0)
+    assert list(_rows(_step(scheduler))) == ["urgent", "early_mid"]
+    scheduler.finish_request("urgent", RequestStatus.FINISHED_STOPPED)
+    assert list(_rows(_step(scheduler))) == ["early_mid", "later_mid"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_newest():
+    # 4 usable blocks of 8 tokens; "low" arrived first but ranks last.
+    scheduler = _scheduler(num_blocks=5, max_model_len=32, policy="priority", prefix_caching=False)
+    low = _add(scheduler, "low", list(range(15)), priority=1, arrival_time=0.0)
+    _step(scheduler)
+    _add(scheduler, "high", list(range(100, 116)), priority=0, arrival_time=1.0)
+    _step(scheduler)  # both hold 2 blocks; "high" runs first from now on
+    assert [r.request_id for r in scheduler.running] == ["high", "low"]
+    output = _step(scheduler)  # both need a third block: the lower priority gives way
+    assert output.preempted_request_ids == ["low"]
+    assert low.status is RequestStatus.PREEMPTED and list(_rows(output)) == ["high"]
+    # Under first come first served the newest ("high") would have been preempted.
+    fcfs = _scheduler(num_blocks=5, max_model_len=32, prefix_caching=False)
+    _add(fcfs, "low", list(range(15)))
+    _step(fcfs)
+    _add(fcfs, "high", list(range(100, 116)))
+    _step(fcfs)
+    assert _step(fcfs).preempted_request_ids == ["high"]

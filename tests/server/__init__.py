@@ -146,9 +146,9 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
     return wait_metrics(
         url,
         lambda m: (
-            m["jvllm:num_requests_running"] == 0
-            and m["jvllm:num_requests_waiting"] == 0
-            and m["jvllm:kv_cache_usage_perc"] == 0
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0
         ),
         timeout,
     )

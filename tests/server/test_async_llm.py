@@ -13,15 +13,12 @@ import threading
 import pytest
 
 from jvllm.engine.async_llm import (
-    E2E,
-    ITL,
-    QUEUE_TIME,
-    TTFT,
     AsyncLLM,
     EngineDeadError,
     QueueFullError,
     RequestAbortedError,
 )
+from jvllm.engine.request_timing import E2E, ITL, QUEUE_TIME, TTFT, FinishedRequestStats
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.outputs import CompletionOutput, RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -66,7 +63,7 @@ class FakeEngine:
         self._paced = False
         self._tickets.release()  # a step already waiting for its ticket
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self.thread_ids.add(threading.get_ident())
         if prompt == "bad":
             raise ValueError("prompt 'bad' is refused")
@@ -111,9 +108,13 @@ class FakeEngine:
 class Observer:
     def __init__(self) -> None:
         self.seen: dict[str, list[float]] = {}
+        self.finished_stats: list[FinishedRequestStats] = []
 
     def observe(self, name: str, seconds: float) -> None:
         self.seen.setdefault(name, []).append(seconds)
+
+    def finished(self, stats: FinishedRequestStats) -> None:
+        self.finished_stats.append(stats)
 
 
 async def loop_turns(n: int = 3) -> None:
@@ -162,6 +163,20 @@ def test_outputs_are_cumulative_and_observed_on_the_engine_thread():
     assert threading.get_ident() not in engine.thread_ids and len(engine.thread_ids) == 1
     assert len(observer.seen[QUEUE_TIME]) == len(observer.seen[TTFT]) == 1
     assert len(observer.seen[ITL]) == 4 and len(observer.seen[E2E]) == 1
+    (stats,) = observer.finished_stats
+    assert (stats.finish_reason, stats.num_prompt_tokens, stats.num_generation_tokens) == (
+        "length",
+        1,
+        5,
+    )
+    assert (stats.n, stats.max_tokens) == (1, 5)
+    # The phases add up: queued, then prefill to the first token, then decode.
+    assert stats.e2e_latency == pytest.approx(
+        stats.queued_time + stats.prefill_time + stats.decode_time
+    )
+    assert stats.inference_time == pytest.approx(stats.prefill_time + stats.decode_time)
+    assert stats.mean_time_per_output_token == pytest.approx(stats.decode_time / 4)
+    assert stats.e2e_latency == pytest.approx(observer.seen[E2E][0])
 
 
 def test_final_only_stream_gets_its_finished_output_alone_and_every_latency():

@@ -216,5 +216,5 @@ def test_healthy_after_the_suite(server):
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 6
     assert httpx.get(server.url + "/health").status_code == 200
     idle = wait_idle(server.url)
-    assert idle["jvllm:kv_cache_usage_perc"] == 0
+    assert idle["vllm:kv_cache_usage_perc"] == 0
     assert idle["jvllm:num_free_blocks"] == server.start["jvllm:num_free_blocks"]

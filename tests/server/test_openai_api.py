@@ -212,27 +212,65 @@ def test_side_routes(env):
     assert "CompletionRequest" in doc["components"]["schemas"]
 
 
-def test_metrics_names_and_latency_histograms(env):
+def test_metrics_carry_vllms_names_types_and_labels(env):
     env.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    env.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2, stop=["w"])
+    wait_idle(env.url)
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(env.url + "/metrics").text
-    for name in (
-        "jvllm:num_requests_running", "jvllm:num_requests_waiting", "jvllm:kv_cache_usage_perc",
-        "jvllm:num_free_blocks", "jvllm:prefix_cache_queries_total",
-        "jvllm:prefix_cache_hits_total", "jvllm:num_preemptions_total",
-        "jvllm:prompt_tokens_total", "jvllm:generation_tokens_total",
-        "jvllm:num_requests_swapped", "jvllm:num_free_host_blocks",
-        "jvllm:num_swapped_out_blocks_total", "jvllm:num_swapped_in_blocks_total",
-        "jvllm:num_recomputed_tokens_total",
-    ):  # fmt: skip
-        assert f"\n{name} " in text, name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    want = {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter", "vllm:spec_decode_num_drafts": "counter",
+        "vllm:spec_decode_num_draft_tokens": "counter",
+        "vllm:spec_decode_num_accepted_tokens": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_inference_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+        "vllm:request_time_per_output_token_seconds": "histogram",
+        "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+        "vllm:request_params_n": "histogram", "vllm:request_params_max_tokens": "histogram",
+        "vllm:cache_config_info": "gauge",
+        # jvllm's own: swap and free blocks, which vLLM does not report.
+        "jvllm:num_free_blocks": "gauge", "jvllm:num_requests_swapped": "gauge",
+        "jvllm:num_swapped_out_blocks": "counter", "jvllm:num_recomputed_tokens": "counter",
+    }  # fmt: skip
+    for name, kind in want.items():
+        assert name in families and families[name].type == kind, name
+        for sample in families[name].samples:
+            assert sample.labels["engine"] == "0", name
+            # vLLM's info gauges carry the configuration, not the model name.
+            assert sample.labels.get("model_name", MODEL) == MODEL, name
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and int(info.labels["num_gpu_blocks"]) > 0
+    assert info.labels["block_size"] == "16" and info.labels["enable_prefix_caching"] == "True"
+    assert not [f for f in families if f.startswith("jvllm:") and "vllm:" + f[6:] in families]
     m = metrics(env.url)
-    for name in (
-        "jvllm:time_to_first_token_seconds", "jvllm:inter_token_latency_seconds",
-        "jvllm:e2e_request_latency_seconds", "jvllm:request_queue_time_seconds",
-    ):  # fmt: skip
-        assert f"{name}_count" in text and f"{name}_bucket" in text, name
-    assert m["jvllm:generation_tokens"] > 0 and m["jvllm:prompt_tokens"] > 0
-    assert m["jvllm:prefix_cache_hits"] > 0  # PROMPT was sent many times
+    assert m["vllm:generation_tokens"] > 0 and m["vllm:prompt_tokens"] > 0
+    assert 0 <= m["vllm:prefix_cache_hits"] <= m["vllm:prefix_cache_queries"]
+    assert m["vllm:prefix_cache_queries"] > 0
+    success = {
+        s.labels["finished_reason"]: s.value
+        for s in families["vllm:request_success"].samples
+        if s.name.endswith("_total")
+    }
+    assert set(success) == {"stop", "length", "abort", "error", "repetition"}
+    assert success["length"] >= 1
+    # One count per finished request in each per-request histogram; n=2 is one request.
+    finished = sum(success.values()) - success["abort"]
+    for name in ("vllm:request_prompt_tokens", "vllm:request_decode_time_seconds"):
+        (count,) = [s.value for s in families[name].samples if s.name.endswith("_count")]
+        assert count == finished, name
+    n_sum = [s.value for s in families["vllm:request_params_n"].samples if s.name.endswith("_sum")]
+    assert n_sum[0] >= 2  # the n=2 request
 
 
 def test_disconnect_aborts_and_frees_blocks(env):
@@ -247,10 +285,10 @@ def test_disconnect_aborts_and_frees_blocks(env):
             assert next(lines).startswith("data: ")
             next(lines)
     after = wait_idle(env.url, timeout=5)
-    assert after["jvllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["jvllm:num_free_blocks"] == before["jvllm:num_free_blocks"]
     # Aborted before its 240 tokens.
-    assert after["jvllm:generation_tokens"] - before["jvllm:generation_tokens"] < 240
+    assert after["vllm:generation_tokens"] - before["vllm:generation_tokens"] < 240
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts(env):
@@ -262,7 +300,7 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(env):
         async with httpx.AsyncClient(base_url=env.url, headers=auth_headers()) as client:
             task = asyncio.ensure_future(client.post("/v1/completions", json=body, timeout=120))
             # Leave while the response is being generated: after its first tokens.
-            tokens = "jvllm:generation_tokens"
+            tokens = "vllm:generation_tokens"
             await asyncio.to_thread(
                 wait_metrics, env.url, lambda m: m[tokens] > before[tokens], 120
             )
@@ -273,8 +311,8 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(env):
 
     asyncio.run(leave_once_generating())
     after = wait_idle(env.url, timeout=60)
-    assert after["jvllm:kv_cache_usage_perc"] == 0
-    assert after["jvllm:generation_tokens"] - before["jvllm:generation_tokens"] < 8 * 240
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:generation_tokens"] - before["vllm:generation_tokens"] < 8 * 240
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: str, leave_after: int | None) -> str:
@@ -313,7 +351,7 @@ def test_200_concurrent_streams_half_disconnect(env):
         if leave is None:
             assert text == expected[prompt]
     idle = wait_idle(env.url)
-    assert idle["jvllm:kv_cache_usage_perc"] == 0 and idle["jvllm:num_requests_running"] == 0
+    assert idle["vllm:kv_cache_usage_perc"] == 0 and idle["vllm:num_requests_running"] == 0
     assert httpx.get(env.url + "/health").status_code == 200
     out = env.client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
     assert out.choices[0].text == expected[prompts[0]]
@@ -382,3 +420,17 @@ def test_use_beam_search_refuses_what_it_cannot_honour(env, extra, param):
     assert err.value.body["param"] == param
     out = env.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert out.choices[0].finish_reason == "length"
+
+
+def test_priority_needs_the_priority_policy(env):
+    """vLLM's `priority` extra: refused with a 400 naming it unless the server runs
+    --scheduling-policy priority (0, the default, is always accepted)."""
+    ok = env.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 0}
+    )
+    assert ok.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        env.client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 1}
+        )
+    assert "scheduling_policy" in str(err.value) and err.value.body["param"] == "priority"

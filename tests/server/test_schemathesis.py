@@ -58,4 +58,4 @@ def test_no_5xx_for_generated_requests(server):
         fuzz(operation, server, failures)
     assert not failures, failures[:5]
     assert httpx.get(server + "/health").status_code == 200
-    assert wait_idle(server, timeout=30)["jvllm:kv_cache_usage_perc"] == 0
+    assert wait_idle(server, timeout=30)["vllm:kv_cache_usage_perc"] == 0

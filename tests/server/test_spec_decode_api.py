@@ -43,10 +43,11 @@ def test_served_speculation_gives_plain_decoding_texts(checkpoints):
             stream = client.completions.create(prompt=prompt, stream=True, **body)
             assert "".join(chunk.choices[0].text for chunk in stream) == text
         m = metrics(server.url)
-        assert m["jvllm:spec_decode_num_accepted_tokens"] > 0
-        assert m["jvllm:spec_decode_num_draft_tokens"] >= m["jvllm:spec_decode_num_drafts"] > 0
+        assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert m["vllm:spec_decode_num_draft_tokens"] >= m["vllm:spec_decode_num_drafts"] > 0
         text = httpx.get(server.url + "/metrics").text
-        assert 'jvllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in text
+        assert 'engine="0",model_name="tiny-llama",position="0"} ' in text
         assert server.wait_for_log("SpecDecoding metrics: Mean acceptance length", 10)
     finally:
         server.stop()

@@ -1,16 +1,21 @@
 """Admission: waiting and swapped-out requests joining the running batch, and preemption.
 
-Owns first-come-first-served admission of waiting requests (fork children after their
-source has computed the shared prompt; a beam search's beams as one unit), swapping
-requests back in, and preempting a running request (by swap where the host pool has
-room, else by recompute). `Scheduler` mixes this in; the running requests' rows, the
-step protocol and the counters' reporting are `scheduler.py`'s.
+Owns admission of waiting requests in queue order (fork children after their source has
+computed the shared prompt; a beam search's beams as one unit), swapping requests back
+in, preempting a running request (by swap where the host pool has room, else by
+recompute), and the order of the three queues: arrival order, or with
+scheduling_policy="priority" every queue sorted by (priority, arrival) so that the head
+of `waiting` is admitted first and the tail of `running` (the lowest priority, newest)
+is preempted first, as vLLM's priority policy chooses. `Scheduler` mixes this in; the
+running requests' rows, the step protocol and the counters' reporting are
+`scheduler.py`'s.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 
 from jvllm.config import SchedulerConfig
@@ -41,6 +46,7 @@ class Admission:
     kv_cache_manager: KVCacheManager
     block_size: int
     is_static: bool
+    by_priority: bool  # scheduling_policy="priority": queues sorted by priority_key
     swaps: bool  # preemption may swap (preemption_mode="swap" and a host pool)
     waiting: deque[Request]
     swapped: deque[Request]
@@ -116,7 +122,7 @@ class Admission:
             budget -= num_new
         for request, num_new in zip(unit, sizes, strict=True):
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._join(self.running, request)
             self._add_row(step, request, num_new)
         return True
 
@@ -161,7 +167,7 @@ class Admission:
             step.swap_out += pairs
             self._num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(request)
+            self._requeue(self.swapped, request)
             return
         # A request of the unit being scheduled may hold blocks this step never writes.
         kv.drop_unwritten(request)
@@ -169,7 +175,7 @@ class Admission:
         self._num_recomputed_tokens += request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self._requeue(self.waiting, request)
 
     def _schedule_swapped(self, step: ScheduleStep) -> None:
         """Swap requests back in, oldest first, while sequences, budget and blocks allow;
@@ -196,10 +202,33 @@ class Admission:
             step.swap_in += pairs
             self._num_swapped_in_blocks += len(pairs)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._join(self.running, request)
             fits = kv.allocate_slots(request, num_new)  # swap_in left room for it
             assert fits, request
             self._add_row(step, request, num_new)
+
+    def _join(self, queue: MutableSequence[Request], request: Request) -> None:
+        """Appends a new member to `waiting` or `running`: after every request of the same
+        or higher priority when queues are sorted (so a unit's members stay together)."""
+        if self.by_priority:
+            key = priority_key(request)
+            queue.insert(bisect.bisect_right(queue, key, key=priority_key), request)
+        else:
+            queue.append(request)
+
+    def _requeue(self, queue: deque[Request], request: Request) -> None:
+        """Puts a preempted request back at the front of `waiting` or `swapped`: before
+        every request of the same priority and arrival when queues are sorted."""
+        if self.by_priority:
+            key = priority_key(request)
+            queue.insert(bisect.bisect_left(queue, key, key=priority_key), request)
+        else:
+            queue.appendleft(request)
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return request.priority, request.arrival_time
 
 
 def is_unforked_beam(request: Request) -> bool:

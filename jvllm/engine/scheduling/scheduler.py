@@ -55,6 +55,7 @@ class Scheduler(Admission):
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.is_static = scheduler_config.scheduling_policy == "static"
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.swaps = scheduler_config.preemption_mode == "swap" and num_host_blocks > 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -65,7 +66,7 @@ class Scheduler(Admission):
             num_lookahead_tokens,
             scheduler_config.max_model_len,
         )
-        self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
+        self.waiting: deque[Request] = deque()  # preempted requests go to the front
         # Swapped out, oldest first; they come back before any waiting request is admitted.
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -88,7 +89,7 @@ class Scheduler(Admission):
         self._requests[request.request_id] = request
         self._set_length_limit(request)
         self._num_beams += request.beam_group is not None
-        self.waiting.append(request)
+        self._join(self.waiting, request)
 
     def schedule(self) -> SchedulerOutput:
         assert len(self._pending_steps) <= 1, "commit the step before the last one first"
