@@ -32,6 +32,7 @@ from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.generation_config import generation_config_dir
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
+from jvllm.models.medusa import load_medusa_heads
 from jvllm.models.spec import ModelSpec
 from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
 from jvllm.parallel import step_channel
@@ -210,6 +211,9 @@ class EngineArgs:
             draft = load_eagle_head(speculative.model, loaded, backend, mesh)
             check_draft_length(speculative.model, draft, max_model_len)
             logger.info("EAGLE head: %s (%.1f MiB)", speculative.model, draft.weight_bytes / 2**20)
+        elif speculative is not None and speculative.method == "medusa":
+            k = speculative.num_speculative_tokens
+            draft = load_medusa_heads(speculative.model or "", loaded, k, mesh)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

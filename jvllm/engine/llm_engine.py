@@ -90,22 +90,23 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
         spec = config.speculative_config
-        drafting = spec is not None and spec.method in ("draft_model", "eagle")
+        on_device = spec is not None and spec.method in ("draft_model", "eagle", "medusa")
+        # A draft model or EAGLE head writes its proposals' K/V past the scheduled
+        # positions (Medusa heads keep no K/V).
+        lookahead = on_device and spec.method != "medusa"
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
             num_host_blocks,
             num_tier_blocks,
-            # A draft model or EAGLE head writes its proposals' K/V past the scheduled
-            # positions.
-            spec.num_speculative_tokens if drafting else 0,
+            spec.num_speculative_tokens if lookahead else 0,
         )
         self._rng = random.Random(config.model_config.seed)
         self.speculator = None
         if spec is not None:
             tables = self.scheduler.kv_cache_manager.get_block_table
-            draft = runner if drafting else None
+            draft = runner if on_device else None
             self.speculator = Speculator(spec, self.max_model_len, draft, tables)
         self.output_processor = OutputProcessor(
             tokenizer,

@@ -25,6 +25,10 @@ then feeds its own output features forward for the remaining steps. A row that t
 no drafts (a prefill chunk short of the prompt's end, a sequence one token from its
 limit) still gets that first step, so its next chunk or row attends to a true entry.
 
+Medusa heads (`MedusaDrafter`, `jvllm.models.medusa`) have no cache: `propose` scores
+each row's feature (the target's hidden state at the logits row its newest token came
+from) with every head at once and takes each head's argmax, with a one-hot q.
+
 The proposer's cache shares the target's block size and block count; its own layer,
 head and dimension counts are free.
 """
@@ -69,6 +73,9 @@ StepFn = Callable[[jax.Array, jax.Array, AttentionMetadata, Any, list[KVCache]],
 class Drafter:
     """A draft model: a smaller model of the same vocabulary, with its own KV layers."""
 
+    # Whether `propose` reads the step's logits rows' hidden states (`features`).
+    uses_features = False
+
     def __init__(self, loaded: LoadedModel, num_speculative_tokens: int, block_size: int) -> None:
         self.model = loaded
         self.k = num_speculative_tokens
@@ -111,6 +118,8 @@ class Drafter:
 
 class EagleDrafter(Drafter):
     """An EAGLE-1 head over the target's hidden states (see the module docstring)."""
+
+    uses_features = True
 
     def __init__(
         self,
@@ -165,6 +174,37 @@ class EagleDrafter(Drafter):
         score = lambda h: target.apply({"params": target_params}, h, method=target.logits)
         first = features[rows.feature_rows]
         return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads over the target's hidden state: k drafts from one feature per row."""
+
+    uses_features = True
+
+    def write_kv(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        hidden: jax.Array,
+    ) -> list[KVCache]:
+        return caches  # the heads keep no K/V
+
+    def propose(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """Head i's argmax is draft i; q is one-hot at it (vLLM's top-1 Medusa)."""
+        module = self.model.module
+        logits = module.apply({"params": params}, features[rows.feature_rows])  # [S, heads, V]
+        drafts = argmax_rows(logits[:, : self.k].reshape(-1, logits.shape[-1]))  # [S * k]
+        q = jax.nn.one_hot(drafts, logits.shape[-1], dtype=jnp.float32)
+        return drafts.reshape(-1, self.k).astype(jnp.int32), q, caches
 
 
 def draft_steps(

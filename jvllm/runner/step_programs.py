@@ -24,7 +24,7 @@ from jvllm.models.llama import stage_forward
 from jvllm.models.loader import LoadedModel
 from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import run_pipeline
-from jvllm.runner.drafter import Drafter, EagleDrafter, ProposalInputs
+from jvllm.runner.drafter import Drafter, ProposalInputs
 from jvllm.runner.input_batch import BatchShape, unpack, unpack_micro_batches
 from jvllm.sampling_params import MAX_LOGPROBS
 
@@ -93,7 +93,8 @@ class StepPrograms:
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         """Logits `[S, V]` (with `group_rows`: `[max_rows, V]` float32, written over
         `logits_buffer` when given, which the caller donates, else over zeros), the
-        hidden states, the caches, the last input tokens and an EAGLE head's features."""
+        hidden states, the caches, the last input tokens and the features an EAGLE or Medusa
+        head reads."""
         params = self.bring_in(params)
         module = self.model.module
         split = self.num_target_layers
@@ -114,7 +115,7 @@ class StepPrograms:
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
         last_inputs = token_ids[logits_indices]  # [S]
         features = None
-        if isinstance(self.drafter, EagleDrafter):
+        if self.drafter is not None and self.drafter.uses_features:
             features = self._padded(last, self.max_rows)
         if self.group_rows is not None:  # one sampler program for every bucket
             hidden = self._padded(hidden, self.max_tokens)  # and one prompt-logprob program

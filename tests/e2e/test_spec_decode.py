@@ -199,7 +199,8 @@ def test_no_compilations_after_warm_up_with_speculation(method, checkpoints, dra
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "mlp_speculator", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
