@@ -43,6 +43,8 @@ from .responses import (
 from .serving import ServingContext, engine_error, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
+from .serving_messages import count_message_tokens, create_message
+from .serving_responses import create_response, retrieve_response
 from .stats_logger import StatsLogger
 
 logger = logging.getLogger("jvllm.server")
@@ -134,6 +136,10 @@ def build_app(
     routes = [
         Route("/v1/completions", bind(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", bind(create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", bind(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", bind(retrieve_response), methods=["GET"]),
+        Route("/v1/messages", bind(create_message), methods=["POST"]),
+        Route("/v1/messages/count_tokens", bind(count_message_tokens), methods=["POST"]),
         Route("/v1/models", bind(list_models), methods=["GET"]),
         Route("/tokenize", bind(tokenize), methods=["POST"]),
         Route("/detokenize", bind(detokenize), methods=["POST"]),
