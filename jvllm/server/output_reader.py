@@ -76,4 +76,7 @@ class OutputReader:
         more_reasoning, more_content = self.reasoning.finish()
         reasoning += more_reasoning
         content, calls = self.tools.parse_all(content + more_content)
-        return ParsedOutput((reasoning or None) if self.has_reasoning else None, content, calls)
+        if not self.has_reasoning:
+            return ParsedOutput(None, content, calls)
+        # A thought cut off before its end leaves no content at all (vLLM's None).
+        return ParsedOutput(reasoning or None, content or None, calls)
