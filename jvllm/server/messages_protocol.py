@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 
 from .errors import APIError, clean_message
@@ -42,6 +42,38 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 def anthropic_error_response(error: APIError) -> JSONResponse:
     body = anthropic_error(error.status, error.message)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorBody
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageResponse(BaseModel):
+    """The answer: content blocks (`thinking`, `text`, `tool_use`) and why it stopped."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
 
 
 class TextBlock(Strict):

@@ -28,7 +28,10 @@ from .deltas import ChoiceCursor
 from .errors import APIError, from_validation_error
 from .messages_protocol import (
     CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
     MessagesRequest,
+    MessageUsage,
     anthropic_error,
     anthropic_error_response,
     chat_body,
@@ -82,7 +85,7 @@ async def count_message_tokens(ctx: ServingContext, request: Request) -> Respons
     chat = _validated(chat_body(req))
     tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
     prompt = render_chat(ctx, chat.messages, True, tools or None)
-    return JSONResponse({"input_tokens": len(prompt.token_ids)})
+    return JSONResponse(CountTokensResponse(input_tokens=len(prompt.token_ids)).model_dump())
 
 
 def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -118,17 +121,9 @@ class _MessageView:
         self.ctx, self.model, self.chat, self.stops = ctx, model, chat, stops
         self.id = f"msg_{uuid.uuid4().hex}"
 
-    def message(self, content: list[dict[str, Any]], input_tokens: int) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": content,
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
-        }
+    def message(self, content: list[dict[str, Any]], input_tokens: int) -> MessageResponse:
+        usage = MessageUsage(input_tokens=input_tokens, output_tokens=0)
+        return MessageResponse(id=self.id, model=self.model, content=content, usage=usage)
 
     def full(self, out: RequestOutput) -> dict[str, Any]:
         c = out.outputs[0]
@@ -148,9 +143,9 @@ class _MessageView:
                 }
             )
         message = self.message(blocks, len(out.prompt_token_ids))
-        message["stop_reason"], message["stop_sequence"] = _stop(c, bool(parsed.calls))
-        message["usage"]["output_tokens"] = len(c.token_ids)
-        return message
+        message.stop_reason, message.stop_sequence = _stop(c, bool(parsed.calls))  # type: ignore[assignment]
+        message.usage.output_tokens = len(c.token_ids)
+        return message.model_dump(mode="json")
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[bytes]:
         blocks = _BlockWriter()
@@ -162,7 +157,7 @@ class _MessageView:
                 if not started:
                     started = True
                     start = self.message([], len(out.prompt_token_ids))
-                    yield _event("message_start", message=start)
+                    yield _event("message_start", message=start.model_dump(mode="json"))
                 c = out.outputs[0]
                 delta = cursor.advance(c)
                 if delta is None:
