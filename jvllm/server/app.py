@@ -2,7 +2,7 @@
 
 Owns wiring: which path calls which handler, the middleware order (CORS, API key,
 then drain/in-flight accounting, then the router), turning every exception into OpenAI's
-error envelope, and starting and stopping the engine thread with the app. The
+error envelope (Anthropic's on the Messages routes), and starting and stopping the engine thread with the app. The
 handlers themselves live in `serving_*.py`; the process around it in `launch.py`.
 """
 
@@ -29,6 +29,7 @@ from jvllm.engine.validation import InvalidRequestError, check_token_ids
 
 from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
+from .messages_protocol import MESSAGES_PATHS, anthropic_error
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -89,7 +90,7 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
-            body = error_envelope(503, "The server is shutting down", code="shutting_down")
+            body = _error_body(scope, 503, "The server is shutting down", code="shutting_down")
             headers = {"Retry-After": "1", "Connection": "close"}
             await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
             return
@@ -221,13 +222,20 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+def _error_body(scope: Scope, status: int, message: str, code: str | None = None) -> dict:
+    """OpenAI's error envelope, or Anthropic's on the Messages routes."""
+    if route_path(scope) in MESSAGES_PATHS:
+        return anthropic_error(status, message)
+    return error_envelope(status, message, code=code)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    body = error_envelope(exc.status_code, str(exc.detail))
+    body = _error_body(request.scope, exc.status_code, str(exc.detail))
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    body = error_envelope(500, "Internal server error", code="internal_error")
+    body = _error_body(request.scope, 500, "Internal server error", code="internal_error")
     return JSONResponse(body, status_code=500)

@@ -74,6 +74,19 @@ class ResponsesRequest(Strict):
     text: TextConfig | None = None
     user: str | None = None
 
+    def tool_choice_echo(self) -> str | dict[str, Any]:
+        """tool_choice as the response object repeats it (OpenAI's default: "auto")."""
+        if isinstance(self.tool_choice, FunctionChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    def text_echo(self) -> dict[str, Any]:
+        """`text` as the response object repeats it (plain text unless a format was set)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None:
+            return {"format": {"type": "text"}}
+        return {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
+
 
 class OutputTokensDetails(BaseModel):
     reasoning_tokens: int = 0

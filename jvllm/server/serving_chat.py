@@ -86,9 +86,13 @@ class PreparedChat:
     def reader(self, ctx: ServingContext) -> OutputReader:
         reasoning = reasoning_parser(ctx.reasoning_parser, ctx.tokenizer)
         return OutputReader(
-            self.mode, self.function, self.tools, ctx.tool_call_parser, reasoning,
-            self.reasoning_active,
-        )  # fmt: skip
+            mode=self.mode,
+            function=self.function,
+            tools=self.tools,
+            tool_parser=ctx.tool_call_parser,
+            reasoning=reasoning,
+            reasoning_active=self.reasoning_active,
+        )
 
 
 def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:

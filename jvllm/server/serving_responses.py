@@ -4,15 +4,14 @@ Owns turning a Responses request into a chat request (instructions as the system
 a stored conversation before the new input with `previous_response_id`, function tools
 and `text.format` as tools and response_format), and the answer: output items
 (`reasoning`, `message`, `function_call`), `status` ("incomplete" when
-`max_output_tokens` cut it), and the stream's event sequence: response.created,
-response.in_progress, per item output_item.added, its deltas and dones,
-output_item.done, then response.completed (or response.incomplete). Rendering,
-sampling and reading the output are the chat path's (`serving_chat.prepare_chat`).
+`max_output_tokens` cut it), storing it, and a stream's lifecycle: response.created and
+response.in_progress first, response.completed (or response.incomplete) last; the item
+events between are `responses_events.py`'s. Rendering, sampling and reading the output
+are the chat path's (`serving_chat.prepare_chat`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,9 +24,10 @@ from jvllm.outputs import RequestOutput
 
 from .deltas import ChoiceCursor
 from .errors import APIError, from_validation_error
-from .output_reader import OutputDelta
 from .protocol import ChatCompletionRequest
+from .responses_events import ResponseEvents
 from .responses_protocol import (
+    FunctionChoice,
     FunctionTool,
     InputTokensDetails,
     OutputTokensDetails,
@@ -100,10 +100,10 @@ def chat_request(
             {"type": "function", "function": _function(t, i)} for i, t in enumerate(req.tools)
         ]
     choice = req.tool_choice
-    if choice is not None:
-        body["tool_choice"] = choice if isinstance(choice, str) else {
-            "type": "function", "function": {"name": choice.name}
-        }  # fmt: skip
+    if isinstance(choice, FunctionChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        body["tool_choice"] = choice
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
@@ -148,9 +148,6 @@ class _ResponseRun:
 
     def response(self, status: str, output: list[dict[str, Any]]) -> ResponseObject:
         req = self.req
-        text = {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)} if (
-            req.text is not None and req.text.format is not None
-        ) else {"format": {"type": "text"}}  # fmt: skip
         return ResponseObject(
             id=self.id,
             created_at=self.created,
@@ -164,11 +161,9 @@ class _ResponseRun:
             previous_response_id=req.previous_response_id,
             temperature=req.temperature,
             top_p=req.top_p,
-            tool_choice=req.tool_choice.model_dump()
-            if req.tool_choice is not None and not isinstance(req.tool_choice, str)
-            else (req.tool_choice or "auto"),  # fmt: skip
+            tool_choice=req.tool_choice_echo(),
             tools=req.tools or [],
-            text=text,
+            text=req.text_echo(),
             store=req.store,
             user=req.user,
         )
@@ -204,7 +199,7 @@ class _ResponseRun:
         return self.finished(items, out)
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[bytes]:
-        events = _EventWriter(self)
+        events = ResponseEvents(lambda: self.response("in_progress", []))
         reader = self.chat.reader(self.ctx)
         cursor = ChoiceCursor.for_params(self.chat.params)
         try:
@@ -252,112 +247,3 @@ def _assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
     if calls:
         turn["tool_calls"] = calls
     return turn
-
-
-class _EventWriter:
-    """The stream's events, numbered; items open when their first text arrives and
-    close when the next kind of item begins or the output ends."""
-
-    def __init__(self, run: _ResponseRun) -> None:
-        self.run = run
-        self.sequence = 0
-        self.items: list[dict[str, Any]] = []  # completed items, in output order
-        self.open: dict[str, Any] | None = None  # the item being written
-        self.text = ""
-
-    def event(self, kind: str, **fields: Any) -> bytes:
-        payload = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
-
-    def lifecycle(self, kind: str) -> bytes:
-        return self.event(
-            kind, response=self.run.response("in_progress", []).model_dump(mode="json")
-        )
-
-    def deltas(self, delta: OutputDelta) -> list[bytes]:
-        out: list[bytes] = []
-        if delta.reasoning:
-            out += self._write("reasoning", delta.reasoning)
-        if delta.content:
-            out += self._write("message", delta.content)
-        for call in delta.calls:
-            out += self._close()
-            item = call_item(new_id("fc"), call.id, call.name, "", "in_progress")
-            out += self._add(item)
-            if call.arguments:
-                out += self._write("function_call", call.arguments)
-        if delta.arguments:
-            out += self._write("function_call", delta.arguments)
-        return out
-
-    def close_all(self) -> list[bytes]:
-        out = self._close()
-        if not self.items:  # nothing at all was generated: an empty message
-            out += self._write("message", "") + self._close()
-        return out
-
-    def _write(self, kind: str, text: str) -> list[bytes]:
-        out: list[bytes] = []
-        if self.open is None or self.open["type"] != kind:
-            out += self._close()
-            out += self._add(_new_item(kind))
-        self.text += text
-        item, index = self.open, len(self.items)
-        assert item is not None
-        ids = {"item_id": item["id"], "output_index": index}
-        if kind == "function_call":
-            return out + [self.event("response.function_call_arguments.delta", delta=text, **ids)]
-        name = (
-            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        )
-        extra = {"logprobs": []} if kind == "message" else {}
-        return out + [self.event(name, content_index=0, delta=text, **ids, **extra)]
-
-    def _add(self, item: dict[str, Any]) -> list[bytes]:
-        self.open, self.text = item, ""
-        index = len(self.items)
-        out = [self.event("response.output_item.added", output_index=index, item=item)]
-        if item["type"] in ("message", "reasoning"):
-            part_type = "output_text" if item["type"] == "message" else "reasoning_text"
-            part = {"type": part_type, "text": ""}
-            if part_type == "output_text":
-                part |= {"annotations": [], "logprobs": []}
-            out.append(self._part_event("added", item, index, part))
-        return out
-
-    def _part_event(self, when: str, item: dict, index: int, part: dict) -> bytes:
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        return self.event(f"response.content_part.{when}", part=part, **ids)
-
-    def _close(self) -> list[bytes]:
-        item, index, text = self.open, len(self.items), self.text
-        if item is None:
-            return []
-        self.open = None
-        ids = {"item_id": item["id"], "output_index": index}
-        kind = item["type"]
-        if kind == "function_call":
-            done = call_item(item["id"], item["call_id"], item["name"], text, "completed")
-            out = [self.event("response.function_call_arguments.done", arguments=text, **ids)]
-        elif kind == "message":
-            done = message_item(item["id"], text, "completed")
-            out = [
-                self.event(
-                    "response.output_text.done", content_index=0, text=text, logprobs=[], **ids
-                )
-            ]
-            out.append(self._part_event("done", item, index, done["content"][0]))
-        else:
-            done = reasoning_item(item["id"], text, "completed")
-            out = [self.event("response.reasoning_text.done", content_index=0, text=text, **ids)]
-            out.append(self._part_event("done", item, index, done["content"][0]))
-        self.items.append(done)
-        return out + [self.event("response.output_item.done", output_index=index, item=done)]
-
-
-def _new_item(kind: str) -> dict[str, Any]:
-    if kind == "message":
-        return message_item(new_id("msg"), "", "in_progress")
-    assert kind == "reasoning"
-    return reasoning_item(new_id("rs"), "", "in_progress")
