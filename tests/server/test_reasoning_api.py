@@ -108,11 +108,18 @@ def test_responses_and_messages_carry_the_thinking(env) -> None:
     )
     assert response.output[0].type == "reasoning"
     assert response.output[0].content[0].text == expected
+    with env.client.responses.stream(
+        model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=6, temperature=0
+    ) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == expected and events[-1].type == f"response.{response.status}"
     claude = anthropic.Anthropic(base_url=env.url, api_key=API_KEY, max_retries=0)
-    message = claude.messages.create(
-        model=MODEL, max_tokens=6, messages=MESSAGES, extra_body={"temperature": 0}
-    )
+    kwargs = dict(model=MODEL, max_tokens=6, messages=MESSAGES, extra_body={"temperature": 0})
+    message = claude.messages.create(**kwargs)
     assert message.content[0].type == "thinking" and message.content[0].thinking == expected
+    with claude.messages.stream(**kwargs) as stream:
+        assert stream.get_final_message().content[0].thinking == expected
 
 
 def test_the_schema_holds_from_where_the_thought_ends(env) -> None:
