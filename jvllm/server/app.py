@@ -2,8 +2,9 @@
 
 Owns wiring: which path calls which handler, the middleware order (CORS, API key,
 then drain/in-flight accounting, then the router), turning every exception into OpenAI's
-error envelope (Anthropic's on the Messages routes), and starting and stopping the engine thread with the app. The
-handlers themselves live in `serving_*.py`; the process around it in `launch.py`.
+error envelope (Anthropic's on the Messages routes), and starting and stopping the
+engine thread with the app. The handlers themselves live in `serving_*.py`; the process
+around it in `launch.py`.
 """
 
 from __future__ import annotations

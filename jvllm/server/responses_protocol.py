@@ -12,12 +12,12 @@ from __future__ import annotations
 import collections
 import threading
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from .errors import APIError
-from .protocol import MAX_MESSAGES, MAX_TOOLS, Int64, StopString, Strict
+from .protocol import MAX_BODY_BYTES, MAX_MESSAGES, MAX_TOOLS, Int64, StopString, Strict
 
 # Responses kept for `previous_response_id` and GET /v1/responses/{id}; oldest dropped.
 STORE_SIZE = 1024
@@ -51,10 +51,10 @@ class ResponsesRequest(Strict):
     """POST /v1/responses (fields OpenAI has and vLLM's sampling extras)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(
-        description="A string, or a list of messages and function_call(_output) items",
-        max_length=MAX_MESSAGES,
-    )
+    input: (
+        Annotated[str, Field(max_length=MAX_BODY_BYTES)]
+        | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
+    ) = Field(description="A string, or a list of messages and function_call(_output) items")
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
