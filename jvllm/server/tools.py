@@ -151,7 +151,7 @@ class ToolCallReader:
 
     def _complete_array_items(self) -> list[ToolCall]:
         """Each element of the `required` array once it parses."""
-        items, self._scan = _array_items(self.text, self._scan)
+        items, self._scan = json_objects(self.text, self._scan, "[,")
         out = []
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("name"), str):
@@ -183,8 +183,3 @@ class ToolCallReader:
             content += self.text[self._content_sent :]
             self._content_sent = len(self.text)
         return content, out, ""
-
-
-def _array_items(text: str, scan: int) -> tuple[list[Any], int]:
-    """The complete items of a JSON array being written, from `scan` on."""
-    return json_objects(text, scan, "[,")
