@@ -59,8 +59,20 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The constraint starts after these tokens (a reasoning model's `</think>`): the
+    # server sets them with --reasoning-parser, as vLLM starts the grammar where
+    # reasoning ends. Not part of the grammar, so not of `cache_key`.
+    reasoning_end_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        ends = self.reasoning_end_token_ids
+        if ends is not None and (
+            not isinstance(ends, tuple) or not ends or not all(isinstance(t, int) for t in ends)
+        ):
+            raise ValueError(
+                "StructuredOutputsParams.reasoning_end_token_ids must be a non-empty tuple of "
+                "token ids or None"
+            )
         kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError(

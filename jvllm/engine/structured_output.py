@@ -67,35 +67,52 @@ class CompiledGrammar:
     def __init__(self, template: Any) -> None:
         self._template = template
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def matcher(self, starts_after: tuple[int, ...] = ()) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy(), starts_after)
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. With `starts_after` (a reasoning end
+    marker's ids), the grammar holds only from the token after that marker: until then
+    every token is allowed and the matcher only watches for it."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, starts_after: tuple[int, ...] = ()) -> None:
         self._m = matcher
+        self._waiting_for = starts_after
+        self._recent: tuple[int, ...] = ()  # the last len(starts_after) tokens
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token."""
+        return not self._waiting_for
 
     def accept(self, token: int) -> None:
         """Advances past a sampled token; a token the grammar refuses (sampled where
         the mask left nothing allowed) ends in an error state, which `is_stopped` reports."""
+        if self._waiting_for:
+            self._recent = (*self._recent, token)[-len(self._waiting_for) :]
+            if self._recent == self._waiting_for:
+                self._waiting_for = ()
+            return
         if not self._m.consume_token(token):
             logger.warning("grammar refused token %d: %s", token, self._m.get_error())
 
     @property
     def is_stopped(self) -> bool:
         """Nothing but EOS may follow (the grammar is complete), or it failed."""
-        return bool(self._m.is_stopped())
+        return self.active and bool(self._m.is_stopped())
 
 
 def fill_bitmasks(
     executor: Any, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray
 ) -> None:
-    """Each (matcher, row) writes bitmask[row] (`i32[S, W]`), spread over threads."""
+    """Each (matcher, row) writes bitmask[row] (`i32[S, W]`), spread over threads; rows
+    of matchers not yet active are left as they are."""
     assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous
-    pairs = [(m._m, i) for m, i in rows]
-    executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, len(bitmask))
+    pairs = [(m._m, i) for m, i in rows if m.active]
+    if pairs:
+        row_bytes = bitmask.shape[1] * 4
+        executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, row_bytes, len(bitmask))
 
 
 class GrammarCompiler:

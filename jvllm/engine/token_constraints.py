@@ -106,8 +106,10 @@ def constraints_for(
         compiled = compiler.compile(params.structured_outputs).result()
     if bad_words is None and allowed is None and compiled is None:
         return lambda index: None
+    spec = params.structured_outputs
+    starts_after = (spec.reasoning_end_token_ids or ()) if spec is not None else ()
     return lambda index: Constraints(
-        bad_words, allowed, compiled.matcher() if compiled is not None else None
+        bad_words, allowed, compiled.matcher(starts_after) if compiled is not None else None
     )
 
 

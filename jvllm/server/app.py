@@ -2,8 +2,9 @@
 
 Owns wiring: which path calls which handler, the middleware order (CORS, API key,
 then drain/in-flight accounting, then the router), turning every exception into OpenAI's
-error envelope, and starting and stopping the engine thread with the app. The
-handlers themselves live in `serving_*.py`; the process around it in `launch.py`.
+error envelope (Anthropic's on the Messages routes), and starting and stopping the
+engine thread with the app. The handlers themselves live in `serving_*.py`; the process
+around it in `launch.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jvllm.engine.validation import InvalidRequestError, check_token_ids
 
 from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
+from .messages_protocol import MESSAGES_PATHS, anthropic_error
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -43,6 +45,8 @@ from .responses import (
 from .serving import ServingContext, engine_error, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
+from .serving_messages import count_message_tokens, create_message
+from .serving_responses import create_response, retrieve_response
 from .stats_logger import StatsLogger
 
 logger = logging.getLogger("jvllm.server")
@@ -87,7 +91,7 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
-            body = error_envelope(503, "The server is shutting down", code="shutting_down")
+            body = _error_body(scope, 503, "The server is shutting down", code="shutting_down")
             headers = {"Retry-After": "1", "Connection": "close"}
             await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
             return
@@ -134,6 +138,10 @@ def build_app(
     routes = [
         Route("/v1/completions", bind(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", bind(create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", bind(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", bind(retrieve_response), methods=["GET"]),
+        Route("/v1/messages", bind(create_message), methods=["POST"]),
+        Route("/v1/messages/count_tokens", bind(count_message_tokens), methods=["POST"]),
         Route("/v1/models", bind(list_models), methods=["GET"]),
         Route("/tokenize", bind(tokenize), methods=["POST"]),
         Route("/detokenize", bind(detokenize), methods=["POST"]),
@@ -215,13 +223,20 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+def _error_body(scope: Scope, status: int, message: str, code: str | None = None) -> dict:
+    """OpenAI's error envelope, or Anthropic's on the Messages routes."""
+    if route_path(scope) in MESSAGES_PATHS:
+        return anthropic_error(status, message)
+    return error_envelope(status, message, code=code)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    body = error_envelope(exc.status_code, str(exc.detail))
+    body = _error_body(request.scope, exc.status_code, str(exc.detail))
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    body = error_envelope(500, "Internal server error", code="internal_error")
+    body = _error_body(request.scope, 500, "Internal server error", code="internal_error")
     return JSONResponse(body, status_code=500)

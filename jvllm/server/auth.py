@@ -1,6 +1,7 @@
 """API-key check, as ASGI middleware in front of the router.
 
-Owns one decision: does this HTTP request carry `Authorization: Bearer <key>`? It is
+Owns one decision: does this HTTP request carry `Authorization: Bearer <key>` (or, as
+Anthropic's clients send it, `x-api-key: <key>` alone)? It is
 default-deny: every path needs the key except an exact allow-list (health, metrics,
 version, the OpenAPI document). It reads the decoded path the router itself matches
 (`scope["path"]` less any `--root-path`, through Starlette's own function), never the
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_envelope
+from .messages_protocol import MESSAGES_PATHS, anthropic_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
 
@@ -30,14 +32,17 @@ class APIKeyMiddleware:
             raise ValueError("api_key must be a non-empty string")
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
         self._open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in self._open or self._authorized(scope):
             await self.app(scope, receive, send)
             return
+        message = "Missing or invalid API key: send Authorization: Bearer <key>"
+        anthropic = route_path(scope) in MESSAGES_PATHS
         response = JSONResponse(
-            error_envelope(401, "Missing or invalid API key: send Authorization: Bearer <key>"),
+            anthropic_error(401, message) if anthropic else error_envelope(401, message),
             status_code=401,
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -45,5 +50,10 @@ class APIKeyMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         values = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
-        # Two Authorization headers are ambiguous: refuse rather than pick one.
-        return len(values) == 1 and hmac.compare_digest(values[0], self._expected)
+        keys = [v for k, v in scope["headers"] if k.lower() == b"x-api-key"]
+        # Two keys are ambiguous: refuse rather than pick one.
+        if len(values) + len(keys) != 1:
+            return False
+        if values:
+            return hmac.compare_digest(values[0], self._expected)
+        return hmac.compare_digest(keys[0], self._key)

@@ -102,7 +102,14 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--tool-call-parser",
         default=None,
-        help="how calls are read from free output: hermes (<tool_call>{...}</tool_call>)",
+        help="how calls are read from free output: hermes, llama3_json, mistral, pythonic, "
+        "qwen3_coder, or a name --tool-parser-plugin registers",
+    )
+    add("--tool-parser-plugin", default=None, help="a Python file that registers tool parsers")
+    add(
+        "--reasoning-parser",
+        default=None,
+        help="move a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
     )
     add("--disable-log-stats", action=_BOOL, default=False, help="no periodic stats line")
     add(
@@ -180,6 +187,8 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         grammar_compile_timeout=args.grammar_compile_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=args.tool_parser_plugin,
+        reasoning_parser=args.reasoning_parser,
         log_stats=not args.disable_log_stats,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         **optional,

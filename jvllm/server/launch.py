@@ -40,9 +40,10 @@ from .app import CORSPolicy, ServerState, build_app
 from .chat_template import load_chat_template
 from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
+from .reasoning import get_reasoning_parser
 from .serving import ServingContext
 from .stats_logger import StatsLogger, stats_interval
-from .tools import TOOL_CALL_PARSERS
+from .tool_parsers import ToolParserManager
 
 logger = logging.getLogger("jvllm.server")
 
@@ -81,6 +82,8 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    tool_parser_plugin: str | None = None  # a file registering more tool parsers
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -88,12 +91,13 @@ class ServerConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got "
-                f"{self.tool_call_parser!r}"
-            )
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+        if self.tool_parser_plugin is not None:
+            ToolParserManager.import_tool_parser(self.tool_parser_plugin)
+        if self.tool_call_parser is not None:
+            ToolParserManager.get_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if not self.grammar_compile_timeout > 0:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}"
@@ -215,6 +219,7 @@ def run_server(
         max_log_len=config.max_log_len,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        reasoning_parser=config.reasoning_parser,
     )
     state = ServerState()
     stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None

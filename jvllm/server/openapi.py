@@ -14,8 +14,10 @@ from pydantic.json_schema import models_json_schema
 
 import jvllm
 
+from . import messages_protocol as mp
 from . import protocol as rq
 from . import responses as rs
+from . import responses_protocol as rp
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class RouteDoc:
     response: type[BaseModel] | None
     streams: bool = False
     open: bool = False  # needs no API key
+    anthropic: bool = False  # errors in Anthropic's shape
 
 
 ROUTES = (
@@ -34,6 +37,12 @@ ROUTES = (
              rs.CompletionResponse, streams=True),
     RouteDoc("/v1/chat/completions", "post", "Chat completions", rq.ChatCompletionRequest,
              rs.ChatCompletionResponse, streams=True),
+    RouteDoc("/v1/responses", "post", "OpenAI Responses API", rp.ResponsesRequest,
+             rp.ResponseObject, streams=True),
+    RouteDoc("/v1/messages", "post", "Anthropic Messages API", mp.MessagesRequest,
+             mp.MessageResponse, streams=True, anthropic=True),
+    RouteDoc("/v1/messages/count_tokens", "post", "Anthropic: a prompt's token count",
+             mp.CountTokensRequest, mp.CountTokensResponse, anthropic=True),
     RouteDoc("/v1/models", "get", "Served models", None, rs.ModelList),
     RouteDoc("/tokenize", "post", "Prompt or messages to token ids", rq.TokenizeRequest,
              rs.TokenizeResponse),
@@ -48,7 +57,7 @@ ROUTES = (
 
 def openapi_document(auth: bool) -> dict[str, Any]:
     models = {r.request for r in ROUTES if r.request} | {r.response for r in ROUTES if r.response}
-    models |= {rs.ErrorResponse, rs.ChatCompletionChunk}
+    models |= {rs.ErrorResponse, rs.ChatCompletionChunk, mp.AnthropicErrorResponse}
     keyed = [(m, "validation" if m in _requests() else "serialization") for m in models]
     refs, defs = models_json_schema(
         sorted(keyed, key=lambda k: k[0].__name__), ref_template="#/components/schemas/{model}"
@@ -72,7 +81,8 @@ def _requests() -> set[type[BaseModel]]:
 
 
 def _operation(route: RouteDoc, refs: dict, auth: bool) -> dict[str, Any]:
-    error = {"$ref": refs[(rs.ErrorResponse, "serialization")]["$ref"]}
+    shape = mp.AnthropicErrorResponse if route.anthropic else rs.ErrorResponse
+    error = {"$ref": refs[(shape, "serialization")]["$ref"]}
     ok: dict[str, Any] = {}
     if route.response is not None:
         ok["application/json"] = {"schema": refs[(route.response, "serialization")]}

@@ -210,6 +210,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (enable_thinking, ...)"
+    )
 
 
 class TokenizeRequest(Strict):

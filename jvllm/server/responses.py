@@ -90,6 +90,9 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"  # --response-role
     content: str | None
+    # With --reasoning-parser: the thinking text, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -137,6 +140,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

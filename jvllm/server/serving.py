@@ -37,6 +37,7 @@ from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingP
 from .errors import APIError, from_validation_error
 from .protocol import SamplingRequest
 from .responses import Usage
+from .responses_protocol import ResponseStore
 from .streaming import ClientDisconnected, final_outputs, until_disconnected
 from .structured import constraint_arguments
 
@@ -71,6 +72,8 @@ class ServingContext:
     max_log_len: int | None = None  # prompt characters and ids a request log line shows
     return_tokens_as_token_ids: bool = False
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: "auto" works
+    reasoning_parser: str | None = None  # --reasoning-parser: thinking text apart from content
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
 
     @property
     def tokenizer(self) -> Any:

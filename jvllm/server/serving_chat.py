@@ -8,9 +8,11 @@ content deltas, a finish per choice, optional usage, then `[DONE]`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -22,6 +24,7 @@ from jvllm.sampling_params import SamplingParams
 
 from .deltas import ChoiceCursor
 from .errors import APIError, sse_error
+from .output_reader import OutputReader, reasoning_parser
 from .protocol import ChatCompletionRequest, ChatMessage
 from .responses import (
     AssistantMessage,
@@ -50,7 +53,7 @@ from .serving import (
     usage,
 )
 from .streaming import DONE, EventStreamResponse, merge_streams, sse
-from .tools import ToolCallReader, tool_choice_mode, tool_constraint
+from .tools import tool_choice_mode, tool_constraint
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -58,9 +61,48 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     model = ctx.model_name(req.model)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    chat = prepare_chat(ctx, req)
+    streams = await ctx.submit("chatcmpl", [chat.prompt], [chat.params], req.priority)
+    view = _ChatView(ctx, req, model, chat)
+    if req.stream:
+        return EventStreamResponse(view.stream(streams[0]))
+    outputs = await collect(request, streams)
+    if outputs is None:
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(view.full(outputs[0]).model_dump(mode="json"))
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request made ready for the engine, and how its output is to be read."""
+
+    prompt: Prompt
+    params: SamplingParams
+    mode: str  # tool_choice: "none", "auto", "required" or "named"
+    function: str | None  # the named choice's function
+    tools: list[dict[str, Any]]
+    reasoning_active: bool  # the output starts in reasoning (a parser, and the prompt left it open)
+
+    def reader(self, ctx: ServingContext) -> OutputReader:
+        reasoning = reasoning_parser(ctx.reasoning_parser, ctx.tokenizer)
+        return OutputReader(
+            mode=self.mode,
+            function=self.function,
+            tools=self.tools,
+            tool_parser=ctx.tool_call_parser,
+            reasoning=reasoning,
+            reasoning_active=self.reasoning_active,
+        )
+
+
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Renders the conversation and builds SamplingParams (with the tool grammar, which
+    starts where reasoning ends); 400 for what the request gets wrong."""
     mode = tool_choice_mode(req, ctx.tool_call_parser)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    prompt = render_chat(ctx, req.messages, req.add_generation_prompt, tools or None)
+    prompt = render_chat(
+        ctx, req.messages, req.add_generation_prompt, tools or None, req.chat_template_kwargs
+    )
     explicit = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
     requested = req.max_completion_tokens or req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -70,14 +112,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if constraint is not None:
         extra["structured_outputs"] = constraint
     params = sampling_params(req, max_tokens, ctx.defaults, **extra)
-    streams = await ctx.submit("chatcmpl", [prompt], [params], req.priority)
-    view = _ChatView(ctx, req, model, params, mode)
-    if req.stream:
-        return EventStreamResponse(view.stream(streams[0]))
-    outputs = await collect(request, streams)
-    if outputs is None:
-        return Response(status_code=499)  # nobody is listening
-    return JSONResponse(view.full(outputs[0]).model_dump(mode="json"))
+    parser = reasoning_parser(ctx.reasoning_parser, ctx.tokenizer)
+    active = parser is not None and not parser.is_reasoning_end(prompt.text or "")
+    spec = getattr(params, "structured_outputs", None)
+    if active and spec is not None:
+        assert parser is not None
+        ends = dataclasses.replace(spec, reasoning_end_token_ids=parser.end_token_ids)
+        params = dataclasses.replace(params, structured_outputs=ends)
+    named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+    return PreparedChat(prompt, params, mode, named, tools, active)
 
 
 def render_chat(
@@ -85,6 +128,7 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Prompt:
     if not messages:
         raise APIError(400, "messages is empty: give at least one message", param="messages")
@@ -103,6 +147,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation,
             chat_template=ctx.chat_template,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # a template may raise anything (jinja2 errors, raise_exception)
         message = f"the chat template rejected the messages: {e}"
@@ -140,22 +185,12 @@ def _object(arguments: str) -> Any:
 
 class _ChatView:
     def __init__(
-        self,
-        ctx: ServingContext,
-        req: ChatCompletionRequest,
-        model: str,
-        params: SamplingParams,
-        mode: str = "none",
+        self, ctx: ServingContext, req: ChatCompletionRequest, model: str, chat: PreparedChat
     ) -> None:
-        self.ctx, self.req, self.model, self.params = ctx, req, model, params
-        self.mode = mode
-        named = req.tool_choice if mode == "named" else None
-        self.function = named.function.name if named is not None else None  # type: ignore[union-attr]
+        self.ctx, self.req, self.model, self.chat = ctx, req, model, chat
+        self.params, self.mode = chat.params, chat.mode
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = now()
-
-    def _reader(self) -> ToolCallReader:
-        return ToolCallReader(self.mode, self.function)
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """OpenAI's "tool_calls" where the model chose to call (auto, required)."""
@@ -183,10 +218,13 @@ class _ChatView:
     def full(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            content, calls = self._reader().parse_all(c.text)
+            parsed = self.chat.reader(self.ctx).parse_all(c.text)
+            content, calls = parsed.content, parsed.calls
             message = AssistantMessage(
                 role=self.ctx.response_role,
                 content=content,
+                reasoning=parsed.reasoning,
+                reasoning_content=parsed.reasoning,
                 tool_calls=[
                     ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                     for t in calls
@@ -213,7 +251,7 @@ class _ChatView:
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[bytes]:
         cursors = [ChoiceCursor.for_params(self.params) for _ in range(self.req.n)]
-        readers = [self._reader() for _ in range(self.req.n)]
+        readers = [self.chat.reader(self.ctx) for _ in range(self.req.n)]
         last = None
         try:
             for i in range(self.req.n):
@@ -248,12 +286,14 @@ class _ChatView:
         return TopLogprob(token=text, logprob=json_logprob(lp.logprob), bytes=list(text.encode()))
 
 
-def _tool_delta(reader: ToolCallReader, text: str, finish_reason: str | None) -> DeltaMessage:
-    """The content and tool-call deltas of a choice's new text."""
-    content, calls, arguments = reader.feed(text)
+def _tool_delta(reader: OutputReader, text: str, finish_reason: str | None) -> DeltaMessage:
+    """The reasoning, content and tool-call deltas of a choice's new text."""
+    new = reader.feed(text)
+    reasoning, content, calls, arguments = new.reasoning, new.content, new.calls, new.arguments
     if finish_reason is not None:
-        rest, more = reader.finish()
-        content, calls = content + rest, calls + more
+        end = reader.finish()
+        reasoning, content = reasoning + end.reasoning, content + end.content
+        calls, arguments = calls + end.calls, arguments + end.arguments
     deltas = []
     if reader.mode == "named":
         for call in calls:  # the first delta: id and name
@@ -268,7 +308,12 @@ def _tool_delta(reader: ToolCallReader, text: str, finish_reason: str | None) ->
             deltas.append(
                 DeltaToolCall(index=first + k, id=call.id, type="function", function=function)
             )
-    return DeltaMessage(content=content or None, tool_calls=deltas or None)
+    return DeltaMessage(
+        content=content or None,
+        reasoning=reasoning or None,
+        reasoning_content=reasoning or None,
+        tool_calls=deltas or None,
+    )
 
 
 def _rank(item: tuple[int, Logprob]) -> int:

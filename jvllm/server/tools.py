@@ -6,16 +6,15 @@ Owns what each tool_choice means for generation and for the response:
   schema by the grammar;
 - `required`: the output is a JSON array of `{"name", "parameters"}` calls, each held to
   its tool's schema (at most one without `parallel_tool_calls`);
-- `auto` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): free output,
-  from which Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-  blocks are parsed, the text before them being the content.
+- `auto` (needs `--enable-auto-tool-choice --tool-call-parser NAME`): free output, from
+  which the named parser (`jvllm.server.tool_parsers`) reads the calls, the text before
+  them being the content.
 `ToolCallReader` turns a choice's text into content and calls, whole or as stream
 deltas (each call sent once complete, a named call's arguments as they come).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,20 +23,17 @@ from jvllm.sampling_params import StructuredOutputsParams
 
 from .errors import APIError
 from .protocol import ChatCompletionRequest
-
-TOOL_CALL_PARSERS = ("hermes",)
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it
+from .tool_parsers import ToolCall, ToolParser, ToolParserManager
+from .tool_parsers.abstract import arguments_json, json_objects
 
 
 def new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(f"chatcmpl-tool-{uuid.uuid4().hex}", name, arguments)
+
+
+def auto_parser(name: str | None, tools: list[dict[str, Any]]) -> ToolParser | None:
+    """The `--tool-call-parser` a request's "auto" calls are read with."""
+    return None if name is None else ToolParserManager.get_tool_parser(name)(tools)
 
 
 def tool_choice_mode(req: ChatCompletionRequest, auto_parser: str | None) -> str:
@@ -102,14 +98,16 @@ def tool_constraint(req: ChatCompletionRequest, mode: str) -> StructuredOutputsP
 class ToolCallReader:
     """One choice's text -> content and tool calls. `feed(new_text)` as text arrives
     returns (content to send, calls now complete, argument text of a named call);
-    `finish()` what remains."""
+    `finish()` what remains. In "auto" mode `parser` reads the calls."""
 
     mode: str
     function: str | None = None  # the named choice's function
+    parser: ToolParser | None = None
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     _content_sent: int = 0
-    _scan: int = 0  # where the next unread call may start
+    _scan: int = 0  # where the next unread `required` array item may start
+    _start: int = -1  # where the parser found the calls to begin
     _named: ToolCall | None = None
 
     def feed(self, new_text: str) -> tuple[str, list[ToolCall], str]:
@@ -124,7 +122,7 @@ class ToolCallReader:
             return "", first, new_text
         if self.mode == "required":
             return "", self._complete_array_items(), ""
-        return self._hermes(final=False)
+        return self._auto(final=False)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest of the content and the calls not yet returned, at the end."""
@@ -136,7 +134,7 @@ class ToolCallReader:
         if self.mode == "required":
             return "", self._complete_array_items()
         if self.mode == "auto":
-            content, calls, _ = self._hermes(final=True)
+            content, calls, _ = self._auto(final=True)
             return content, calls
         return "", []
 
@@ -152,68 +150,36 @@ class ToolCallReader:
         return (content or None) if calls else content, calls
 
     def _complete_array_items(self) -> list[ToolCall]:
-        """Each element of the `required` array once it parses (json.raw_decode)."""
-        decoder, out = json.JSONDecoder(), []
-        while True:
-            i = self._scan
-            while i < len(self.text) and self.text[i] in " \n\t[,":
-                i += 1
-            try:
-                item, end = decoder.raw_decode(self.text, i)
-            except json.JSONDecodeError:
-                return out
-            self._scan = end
+        """Each element of the `required` array once it parses."""
+        items, self._scan = json_objects(self.text, self._scan, "[,")
+        out = []
+        for item in items:
             if isinstance(item, dict) and isinstance(item.get("name"), str):
-                arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-                call = new_call(item["name"], arguments)
+                call = new_call(item["name"], arguments_json(item.get("parameters", {})))
                 self.calls.append(call)
                 out.append(call)
+        return out
 
-    def _hermes(self, final: bool) -> tuple[str, list[ToolCall], str]:
-        """Content before the first `<tool_call>` (holding back what may start one), then
-        each closed block that parses as {"name", "arguments"}."""
-        out: list[ToolCall] = []
-        start = self.text.find(_OPEN)
-        if start < 0:
-            end = len(self.text) if final else _safe_end(self.text)
+    def _auto(self, final: bool) -> tuple[str, list[ToolCall], str]:
+        """Content before the calls begin (holding back what may start one), then each
+        call once the parser reads it whole; with no call at the end, all is content."""
+        assert self.parser is not None
+        if self._start < 0:
+            self._start = self.parser.find_start(self.text)
+        if self._start < 0:
+            end = len(self.text) if final else self.parser.undecided_from(self.text)
             content = self.text[self._content_sent : end]
             self._content_sent = max(self._content_sent, end)
-            return content, out, ""
-        content = self.text[self._content_sent : start] if not self.calls else ""
-        self._content_sent = max(self._content_sent, start)
-        self._scan = max(self._scan, start)
-        while True:
-            open_at = self.text.find(_OPEN, self._scan)
-            close_at = self.text.find(_CLOSE, open_at + len(_OPEN)) if open_at >= 0 else -1
-            if close_at < 0:
-                break
-            body = self.text[open_at + len(_OPEN) : close_at]
-            self._scan = close_at + len(_CLOSE)
-            call = _hermes_call(body)
-            if call is not None:
-                self.calls.append(call)
-                out.append(call)
+            return content, [], ""
+        content = self.text[self._content_sent : self._start]
+        self._content_sent = max(self._content_sent, self._start)
+        parsed = self.parser.parse_calls(self.text, self._start, final)
+        out = [
+            ToolCall(self.parser.new_call_id(), p.name, p.arguments)
+            for p in parsed[len(self.calls) :]
+        ]
+        self.calls += out
         if final and not self.calls:  # nothing parsed: the whole text is content
             content += self.text[self._content_sent :]
             self._content_sent = len(self.text)
         return content, out, ""
-
-
-def _safe_end(text: str) -> int:
-    """How much of `text` cannot be the start of a `<tool_call>` still arriving."""
-    for keep in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)
-
-
-def _hermes_call(body: str) -> ToolCall | None:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", {})
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return new_call(data["name"], text)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from jvllm.server.tool_parsers.hermes import Hermes2ProToolParser
 from jvllm.server.tools import ToolCallReader
 
 HERMES = (
@@ -22,8 +23,12 @@ REQUIRED = json.dumps(
 )
 
 
+def _hermes() -> ToolCallReader:
+    return ToolCallReader("auto", parser=Hermes2ProToolParser())
+
+
 def _streamed(mode: str, text: str, seed: int, function: str | None = None):
-    reader = ToolCallReader(mode, function)
+    reader = ToolCallReader(mode, function, Hermes2ProToolParser() if mode == "auto" else None)
     rng = random.Random(seed)
     content, calls, arguments, at = "", [], "", 0
     while at < len(text):
@@ -36,7 +41,7 @@ def _streamed(mode: str, text: str, seed: int, function: str | None = None):
 
 
 def test_hermes_content_then_calls() -> None:
-    content, calls = ToolCallReader("auto").parse_all(HERMES)
+    content, calls = _hermes().parse_all(HERMES)
     assert content == "Let me check. "
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}),
@@ -54,14 +59,14 @@ def test_hermes_content_then_calls() -> None:
     ],
 )
 def test_hermes_without_a_valid_call_is_all_content(text) -> None:
-    content, calls = ToolCallReader("auto").parse_all(text)
+    content, calls = _hermes().parse_all(text)
     assert (content, calls) == (text, [])
 
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("text", [HERMES, "plain <tool_ text", "a <tool_call>{bad}</tool_call>"])
 def test_hermes_streamed_in_pieces_adds_up(seed, text) -> None:
-    whole_content, whole_calls = ToolCallReader("auto").parse_all(text)
+    whole_content, whole_calls = _hermes().parse_all(text)
     content, calls, _ = _streamed("auto", text, seed)
     assert [(n, json.loads(a)) for n, a in calls] == [
         (c.name, json.loads(c.arguments)) for c in whole_calls
