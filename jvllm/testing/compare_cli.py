@@ -84,7 +84,8 @@ def format_table(
         rows.append((str(i), str(n_ref), str(n_got), equal, verdict,
                      *_side(d, 0), *_side(d, 1), repr(prompt)[:40]))  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
+    lines = ("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def run_compare(args: argparse.Namespace) -> int:
