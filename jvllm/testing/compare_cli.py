@@ -91,11 +91,13 @@ def format_table(
 def run_compare(args: argparse.Namespace) -> int:
     """The `jvllm compare` command: 0 when every prompt matches or diverges at a near-tie,
     1 on a real divergence."""
+    from jvllm.testing.jvllm_runner import JvllmRunner, ask_for_host_devices
+
+    ask_for_host_devices(args.tensor_parallel_size)  # before anything starts JAX
     try:
         from jvllm.testing.hf_runner import HfRunner
     except ImportError as e:
         raise ValueError(f"jvllm compare needs torch: pip install 'jvllm[test]' ({e})") from e
-    from jvllm.testing.jvllm_runner import JvllmRunner
 
     prompts = read_prompts(args.prompts)
     if args.max_tokens < 1 or args.num_logprobs < 1:

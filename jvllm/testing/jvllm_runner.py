@@ -10,6 +10,7 @@ of the returned text (vLLM's convention), a token prompt's is not.
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,14 @@ from jvllm.sampling_params import BeamSearchParams, SamplingParams
 from jvllm.testing.compare import Sample
 
 Prompt = str | Sequence[int]
+
+
+def ask_for_host_devices(count: int) -> None:
+    """Asks XLA for `count` CPU host devices (tensor parallelism on a CPU) unless XLA_FLAGS
+    already sets a count; no effect on a GPU's devices, nor once JAX's backend started."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def _request(prompt: Prompt) -> str | dict[str, list[int]]:

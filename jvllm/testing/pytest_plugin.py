@@ -16,7 +16,6 @@ Nothing heavy is imported until a fixture is used: collecting a suite costs no t
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from jvllm.testing.compare import EXAMPLE_PROMPTS
+from jvllm.testing.jvllm_runner import ask_for_host_devices
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,10 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     tp = config.getoption("jvllm_tp")
     if tp < 1:
         raise pytest.UsageError(f"--jvllm-tp must be >= 1, got {tp}")
-    # Several host devices for tensor parallelism on a CPU; no effect on a GPU's devices.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if tp > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={tp}".strip()
+    ask_for_host_devices(tp)
 
 
 def _parametrizes(metafunc: pytest.Metafunc, name: str) -> bool:
