@@ -241,8 +241,23 @@ def check_outputs_equal(
     """Asserts both lists of (token ids, text) are equal, prompt by prompt; the message
     names every differing prompt, its first differing token, both tokens and texts."""
     found = compare_outputs(outputs_0_lst, outputs_1_lst, name_0, name_1)
-    if found:
-        raise AssertionError("\n".join(d.message() for d in found))
+    messages = _prompt_mismatches(outputs_0_lst, outputs_1_lst, name_0, name_1)
+    messages += [d.message() for d in found]
+    if messages:
+        raise AssertionError("\n".join(messages))
+
+
+def _prompt_mismatches(
+    outputs_0_lst: Sequence[Any], outputs_1_lst: Sequence[Any], name_0: str, name_1: str
+) -> list[str]:
+    """Prompts the two sides tokenized differently (their ids lead each output's ids)."""
+    messages = []
+    for index, (s0, s1) in enumerate(zip(outputs_0_lst, outputs_1_lst, strict=True)):
+        p0 = list(s0[0])[: getattr(s0, "num_prompt_tokens", 0)]
+        p1 = list(s1[0])[: getattr(s1, "num_prompt_tokens", 0)]
+        if p0 != p1 and p0 and p1:
+            messages.append(f"prompt {index}: tokenized differently: {name_0} {p0}, {name_1} {p1}")
+    return messages
 
 
 def check_logprobs_close(

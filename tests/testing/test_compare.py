@@ -77,6 +77,10 @@ def test_outputs_equal_names_the_first_differing_output_token_and_its_text(token
     assert f"prompt 0: hf and jvllm differ at output token {at} " in message
     assert repr(tok.decode([a[at]])) in message and repr(tok.decode([b[at]])) in message
     assert re.search(r"logprobs not recorded", message)
+    # vLLM compares whole sequences: the prompts' ids too.
+    bos = [Sample(([0, *prompt, *a], "hello world" + tok.decode(a)), tok, len(prompt) + 1)]
+    with pytest.raises(AssertionError, match=r"prompt 0: tokenized differently: hf \[0, "):
+        check_outputs_equal(outputs_0_lst=bos, outputs_1_lst=left, name_0="hf", name_1="jvllm")
 
 
 def test_texts_may_differ_only_by_a_trailing_incomplete_character():
