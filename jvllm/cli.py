@@ -1,4 +1,5 @@
-"""The `jvllm` command line: `jvllm serve [MODEL] [flags]`, `jvllm convert MODEL OUT`.
+"""The `jvllm` command line: `jvllm serve [MODEL] [flags]`, `jvllm convert MODEL OUT`,
+`jvllm compare MODEL` (`jvllm.testing.compare_cli`).
 
 Owns argument parsing, with vLLM's spellings: engine flags are derived from the
 `EngineArgs` dataclass (one `--kebab-case` flag per field, typed from its annotation,
@@ -25,6 +26,7 @@ from typing import Any
 from jvllm import compat
 from jvllm.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES
 from jvllm.server.cli_args import add_frontend_flags, server_config
+from jvllm.testing.compare_cli import add_compare_parser, run_compare
 from jvllm.yaml_args import config_file_argv
 
 logger = logging.getLogger("jvllm")
@@ -260,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="output directory (must be empty or absent)")
     convert.add_argument("--tensor-parallel-size", type=int, default=1)
     convert.add_argument("--dtype", choices=DTYPES, default="auto")
+    add_compare_parser(commands)
     return parser
 
 
@@ -314,9 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] != ["serve"]:
         args = build_parser().parse_args(argv)
         try:
-            return _convert(args)
+            return run_compare(args) if args.command == "compare" else _convert(args)
         except (ValueError, FileNotFoundError) as e:
-            print(f"jvllm convert: error: {e}", file=sys.stderr)
+            print(f"jvllm {args.command}: error: {e}", file=sys.stderr)
             return 2
     try:
         import starlette  # noqa: F401

@@ -11,9 +11,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+from importlib.metadata import entry_points
+
 import pytest
 
 from jvllm.testing import ARCHITECTURES, make_checkpoint, make_tokenizer
+
+# The pytest plugin (hf_runner, jvllm_runner, ...) loads through its entry point once
+# jvllm is installed; a checkout installed before the entry point existed loads it here.
+if not entry_points(group="pytest11", name="jvllm"):
+    pytest_plugins = ["jvllm.testing.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")

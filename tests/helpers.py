@@ -1,13 +1,16 @@
-"""Helpers shared by the end-to-end tests: prompts, Transformers' greedy reference,
-a mix of sampling parameters covering the sampler's paths, and logprob comparison."""
+"""Helpers shared by the end-to-end tests: prompts, a mix of sampling parameters covering
+the sampler's paths, and logprob comparison. Transformers' greedy reference is
+`jvllm.testing`'s (`hf_greedy`, the one the pytest plugin's HfRunner uses)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from jvllm import SamplingParams
+from jvllm.testing.hf_runner import hf_greedy
+
+__all__ = ["approx_logprobs", "hf_greedy", "mixed_params", "prompts", "token_prompts"]
 
 PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
 
@@ -15,23 +18,6 @@ PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
 def prompts(seed: int = 0, lengths=PROMPT_LENGTHS) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(6, 512, size=n)] for n in lengths]
-
-
-def hf_greedy(hf_model, ids: list[int], max_new: int, eos: int, **processors) -> list[int]:
-    """Transformers' greedy continuation (through EOS); `processors` are generate()'s
-    logits-processor arguments (sequence_bias, bad_words_ids, ...)."""
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new,
-            eos_token_id=eos,
-            pad_token_id=eos,
-            **processors,
-        )
-    new = out[0, len(ids) :].tolist()
-    return new[: new.index(eos) + 1] if eos in new else new
 
 
 def token_prompts(ps: list[list[int]]) -> list[dict]:
