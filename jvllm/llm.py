@@ -22,11 +22,12 @@ from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
+from jvllm.weight_sync import WeightSync
 
 Prompt = str | dict[str, Any]
 
 
-class LLM:
+class LLM(WeightSync):
     """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
     vLLM arguments that have no effect here (`jvllm.compat`, each logged once). Without
     a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults."""
@@ -156,6 +157,7 @@ class LLM:
     def _add_all(
         self, prompts: list[Prompt], params: Sequence[SamplingParams | BeamSearchParams]
     ) -> list[str]:
+        self._control.check_serving()  # asleep, or a weight update open: a clear error
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

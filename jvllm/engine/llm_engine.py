@@ -120,6 +120,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
+        self.weight_version: str | int | None = None  # finish_weight_update's
         # Thread-safe: the server compiles a request's grammar before it reaches us.
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
@@ -350,6 +351,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.output_processor.generation_tokens,
             num_compilations=self.runner.num_compilations,
+            weight_version=self.weight_version,
         )
 
     def get_metrics(self) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""LLM.update_weights against Transformers: a second random checkpoint swapped into a live
+engine as a directory, as (name, array) pairs and as the engine's own tree gives
+Transformers' greedy tokens on the new weights, with no recompilation and no stale
+prefix-cache block; the same under tensor parallelism, from arrays on other devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jvllm import LLM, SamplingParams
+from jvllm.testing import make_checkpoint
+from tests.helpers import hf_greedy, prompts, token_prompts
+
+NEW_TOKENS = 8
+PROMPTS = prompts(seed=3, lengths=[5, 17, 40])
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def second_checkpoint(tmp_path_factory, tokenizer_dir) -> Path:
+    return make_checkpoint("llama", tmp_path_factory.mktemp("second"), tokenizer_dir, seed=1)
+
+
+def greedy_reference(path: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    return [hf_greedy(model, p, NEW_TOKENS, eos) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, second_checkpoint) -> dict[str, list[list[int]]]:
+    first, second = greedy_reference(checkpoints["llama"]), greedy_reference(second_checkpoint)
+    assert first != second  # the two checkpoints tell their weights apart
+    return {"first": first, "second": second}
+
+
+def pairs_of(path: Path, to_jax: bool = False) -> list[tuple[str, object]]:
+    """(Hugging Face name, array) of every tensor of a checkpoint, numpy or jax."""
+    tensors = load_file(str(path / "model.safetensors"))
+    return [(name, jnp.asarray(a) if to_jax else a) for name, a in tensors.items()]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints) -> LLM:
+    return LLM(str(checkpoints["llama"]), **ENGINE)
+
+
+def test_update_from_directory_pairs_and_tree_matches_transformers(
+    llm, references, checkpoints, second_checkpoint
+):
+    assert greedy(llm) == references["first"]  # every prompt's blocks now cached
+    compiled = llm.get_metrics()["num_compilations"]
+    hits = llm.get_metrics()["prefix_cache_hits"]
+
+    llm.update_weights(str(second_checkpoint))
+    assert greedy(llm) == references["second"]
+    # The same prompts again found nothing cached: no block of the old weights survived.
+    assert llm.get_metrics()["prefix_cache_hits"] == hits
+    second_tree = jax.tree.map(lambda x: np.array(x), llm.get_weights())
+
+    assert llm.update_weights(pairs_of(checkpoints["llama"])) > 0  # numpy pairs
+    assert greedy(llm) == references["first"]
+    llm.update_weights(pairs_of(second_checkpoint, to_jax=True))  # jax pairs
+    assert greedy(llm) == references["second"]
+    llm.update_weights(pairs_of(checkpoints["llama"]))
+    llm.update_weights(second_tree)  # the engine's own layout
+    assert greedy(llm) == references["second"]
+    assert llm.get_metrics()["num_compilations"] == compiled
+
+
+def test_weight_version_and_an_update_in_parts(llm, references, checkpoints):
+    llm.start_weight_update()
+    with pytest.raises(RuntimeError, match="finish_weight_update"):
+        llm.generate("hi", use_tqdm=False)
+    first = pairs_of(checkpoints["llama"])
+    llm.update_weights(first[: len(first) // 2])
+    llm.update_weights(first[len(first) // 2 :])
+    llm.finish_weight_update(weight_version=7)
+    assert llm.get_weight_version() == 7
+    assert llm.get_metrics()["weight_version"] == 7
+    assert greedy(llm) == references["first"]
+
+
+def test_bad_weights_are_refused_by_name(llm):
+    with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
+        llm.update_weights([("model.layers.9.mlp.up_proj.weight", np.zeros((2, 2)))])
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match="has shape \\(2, 2\\)"):
+        llm.update_weights([(name, np.zeros((2, 2), np.float32))])
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        llm.update_weights("/nonexistent/checkpoint")
+
+
+def test_tensor_parallel_update_from_arrays_on_other_devices(
+    references, checkpoints, second_checkpoint
+):
+    llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE)
+    assert greedy(llm) == references["first"]
+    compiled = llm.get_metrics()["num_compilations"]
+    elsewhere = jax.devices()[5]  # not one of the engine's devices
+    pairs = [(n, jax.device_put(a, elsewhere)) for n, a in pairs_of(second_checkpoint)]
+    llm.update_weights(pairs)
+    assert greedy(llm) == references["second"]
+    assert llm.get_metrics()["num_compilations"] == compiled
