@@ -104,12 +104,7 @@ class EngineControl:
         """Forgets every cached block (device and host tier); False, and nothing done,
         while a request holds blocks (vLLM's rule)."""
         self._drain()
-        manager = self.engine.scheduler.kv_cache_manager
-        if not manager.block_pool.reset_prefix_cache():
-            return False
-        if manager.host_tier is not None:
-            manager.host_tier.clear()
-        return True
+        return self.engine.reset_prefix_cache()
 
     def collective_rpc(
         self,

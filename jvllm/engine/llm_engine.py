@@ -341,6 +341,16 @@ class LLMEngine:
             next_at += 1 + k
         return SampledRows(at, verified)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (device and host tier); False, and nothing done,
+        while a request holds blocks (vLLM's rule)."""
+        manager = self.scheduler.kv_cache_manager
+        if not manager.block_pool.reset_prefix_cache():
+            return False
+        if manager.host_tier is not None:
+            manager.host_tier.clear()
+        return True
+
     # -- metrics --
 
     def stats(self) -> EngineStats:
