@@ -122,7 +122,12 @@ class EngineControl:
             return [method(worker, *args, **kwargs)]
         if not isinstance(method, str) or not hasattr(worker, method):
             raise ValueError(f"collective_rpc: the worker has no method {method!r}")
-        return [getattr(worker, method)(*args, **kwargs)]
+        target = getattr(worker, method)
+        if not callable(target):  # an attribute (`num_compilations`): its value
+            if args or kwargs:
+                raise ValueError(f"collective_rpc: {method!r} is not a method; pass no args")
+            return [target]
+        return [target(*args, **kwargs)]
 
 
 def control_of(engine: Any) -> EngineControl:

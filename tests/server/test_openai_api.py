@@ -382,3 +382,10 @@ def test_use_beam_search_refuses_what_it_cannot_honour(env, extra, param):
     assert err.value.body["param"] == param
     out = env.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert out.choices[0].finish_reason == "length"
+
+
+def test_training_routes_do_not_exist_without_the_dev_flag(env):
+    for path in ("/sleep", "/wake_up", "/pause", "/update_weights", "/collective_rpc"):
+        r = httpx.post(env.url + path, headers=auth_headers(), timeout=10)
+        assert r.status_code == 404, path
+    assert httpx.post(env.url + "/sleep", timeout=10).status_code == 401  # the key comes first
