@@ -130,6 +130,30 @@ class EngineControl:
         return [target(*args, **kwargs)]
 
 
+def engine_devices(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`LLM` keywords with `mesh=` (a `jax.sharding.Mesh`) turned into `devices=` (its
+    devices, in order), and `tensor_parallel_size` defaulting to every device given
+    (over `pipeline_parallel_size` stages)."""
+    mesh = kwargs.pop("mesh", None)
+    if mesh is not None:
+        if kwargs.get("devices") is not None:
+            raise ValueError("give mesh= or devices=, not both")
+        if not hasattr(mesh, "devices"):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        kwargs["devices"] = list(mesh.devices.flat)
+    devices = kwargs.get("devices")
+    if devices is None:
+        return kwargs
+    devices = kwargs["devices"] = tuple(devices)
+    pp = int(kwargs.get("pipeline_parallel_size", 1))
+    if not devices or len(devices) % pp:
+        raise ValueError(
+            f"devices: {len(devices)} device(s) cannot hold pipeline_parallel_size={pp} stages"
+        )
+    kwargs.setdefault("tensor_parallel_size", len(devices) // pp)
+    return kwargs
+
+
 def control_of(engine: Any) -> EngineControl:
     """The one `EngineControl` of `engine`, made on first use."""
     control = getattr(engine, "_control", None)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from safetensors.numpy import load_file
 
 from jvllm import LLM, SamplingParams
@@ -105,10 +106,15 @@ def test_bad_weights_are_refused_by_name(llm):
         llm.update_weights("/nonexistent/checkpoint")
 
 
-def test_tensor_parallel_update_from_arrays_on_other_devices(
+def test_tensor_parallel_engine_on_the_callers_mesh_updated_from_other_devices(
     references, checkpoints, second_checkpoint
 ):
-    llm = LLM(str(checkpoints["llama"]), tensor_parallel_size=2, **ENGINE)
+    devices = jax.devices()[2:4]
+    # The trainer's state, already on the engine's devices.
+    state = jax.device_put(np.ones((64, 64), np.float32), devices[0])
+    llm = LLM(str(checkpoints["llama"]), mesh=Mesh(np.array(devices), ("data",)), **ENGINE)
+    held = {d for leaf in jax.tree.leaves(llm.get_weights()) for d in leaf.sharding.device_set}
+    assert held == set(devices)  # tensor_parallel_size=2 on the mesh's two devices
     assert greedy(llm) == references["first"]
     compiled = llm.get_metrics()["num_compilations"]
     elsewhere = jax.devices()[5]  # not one of the engine's devices
@@ -116,3 +122,14 @@ def test_tensor_parallel_update_from_arrays_on_other_devices(
     llm.update_weights(pairs)
     assert greedy(llm) == references["second"]
     assert llm.get_metrics()["num_compilations"] == compiled
+    assert float(state.sum()) == 64 * 64  # untouched
+
+
+def test_engine_on_one_device_of_the_callers_list(references, checkpoints):
+    device = jax.devices()[6]
+    llm = LLM(str(checkpoints["llama"]), devices=[device], **ENGINE)
+    leaves = jax.tree.leaves(llm.get_weights())
+    assert {d for leaf in leaves for d in leaf.sharding.device_set} == {device}
+    assert greedy(llm) == references["first"]
+    with pytest.raises(ValueError, match="mesh= or devices="):
+        LLM(str(checkpoints["llama"]), mesh=Mesh(np.array([device]), ("x",)), devices=[device])
