@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from jvllm.engine.pause import check_pause_mode
 from jvllm.runner.weight_update import DeviceMemory
 
 Weights = str | Path | dict[str, Any] | Iterable[tuple[str, Any]]
@@ -189,7 +190,10 @@ class WeightSync:
     def get_weight_version(self) -> str | int | None:
         return self._control.get_weight_version()
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's levels (see `EngineControl.sleep`). `mode` is vLLM's pause mode: between
+        `generate` calls nothing is in flight, so it only has to be valid here."""
+        check_pause_mode(mode)
         self._control.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -133,3 +133,27 @@ def test_engine_on_one_device_of_the_callers_list(references, checkpoints):
     assert greedy(llm) == references["first"]
     with pytest.raises(ValueError, match="mesh= or devices="):
         LLM(str(checkpoints["llama"]), mesh=Mesh(np.array([device]), ("x",)), devices=[device])
+
+
+def test_draft_model_update_changes_the_drafts_not_the_outputs(
+    references, checkpoints, second_checkpoint
+):
+    path = str(checkpoints["llama"])
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    llm = LLM(path, speculative_config=spec, **ENGINE)
+
+    def acceptance() -> float:
+        before = llm.get_metrics()
+        assert greedy(llm) == references["first"]  # speculation never changes outputs
+        after = llm.get_metrics()
+        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        accepted = (
+            after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        )
+        return accepted / drafted
+
+    assert acceptance() == 1.0  # the draft is the target
+    llm.update_weights(str(second_checkpoint), draft=True)
+    assert acceptance() < 0.5  # another model's drafts
+    llm.update_weights(pairs_of(checkpoints["llama"]), draft=True)
+    assert acceptance() == 1.0
