@@ -88,6 +88,12 @@ class EngineControl:
         self.memory.sleep(level)
         self.reset_prefix_cache()
 
+    def release_kv_cache_memory(self) -> None:
+        """Drops the KV cache (and the step's device buffers), keeping the weights."""
+        self._check_idle("release_kv_cache_memory")
+        self.memory.release_kv_cache()
+        self.reset_prefix_cache()
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.memory.wake_up(tags)
 
@@ -195,6 +201,10 @@ class WeightSync:
         `generate` calls nothing is in flight, so it only has to be valid here."""
         check_pause_mode(mode)
         self._control.sleep(level)
+
+    def release_kv_cache_memory(self) -> None:
+        """The KV cache released, the weights kept; `wake_up(tags=["kv_cache"])` undoes it."""
+        self._control.release_kv_cache_memory()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._control.wake_up(tags)

@@ -135,18 +135,21 @@ class DeviceMemory:
         else:
             pairs = self._named_pairs(weights, model, targets)
         count = 0
-        for path, array in pairs:
-            old = targets[path]
-            if array is old:
-                continue  # the engine's own array, handed back unchanged
-            new = self._place(path, array, old)
-            _set(params, path, new)
-            targets[path] = new
-            if _live(old):
-                old.delete()  # freed now: the peak is the weights plus one tensor
-            self._host_params.pop((draft, *path), None)
-            count += 1
-        self._store(model, params, draft)
+        try:
+            for path, array in pairs:
+                old = targets[path]
+                if array is old:
+                    continue  # the engine's own array, handed back unchanged
+                new = self._place(path, array, old)
+                _set(params, path, new)
+                targets[path] = new
+                if _live(old):
+                    old.delete()  # freed now: the peak is the weights plus one tensor
+                self._host_params.pop((draft, *path), None)
+                count += 1
+        finally:
+            # A bad tensor midway leaves the ones before it swapped in, never a freed one.
+            self._store(model, params, draft)
         return count
 
     def _place(self, path: Path_, array: Any, old: Any) -> jax.Array:
@@ -254,6 +257,13 @@ class DeviceMemory:
                     leaf.delete()
             self._store(model, params, draft)
         self.sleep_level = level
+
+    def release_kv_cache(self) -> None:
+        """The KV cache and the step's buffers dropped, the weights kept
+        (`wake_up(tags=["kv_cache"])` brings them back)."""
+        if not self._kv_released:
+            jax.block_until_ready(self.runner.caches)
+            self._release_kv()
 
     def _release_kv(self) -> None:
         runner = self.runner

@@ -74,6 +74,18 @@ def test_sleep_levels_release_device_memory_and_wake_up_restores_outputs(engine,
     assert llm.get_metrics()["num_compilations"] == compiled
 
 
+def test_release_kv_cache_memory_keeps_the_weights(engine):
+    llm, baseline = engine
+    before_tokens = greedy(llm)
+    weights = sum(a.nbytes for a in jax.tree.leaves(llm.get_weights()))
+    llm.release_kv_cache_memory()
+    assert device_bytes() - baseline == weights
+    with pytest.raises(RuntimeError, match="KV cache was released"):
+        llm.generate("hi", use_tqdm=False)
+    llm.wake_up(tags=["kv_cache"])
+    assert greedy(llm) == before_tokens
+
+
 def test_level_two_weights_reload_while_asleep(engine, checkpoints):
     llm, _ = engine
     before_tokens = greedy(llm)

@@ -96,7 +96,7 @@ def test_weight_version_and_an_update_in_parts(llm, references, checkpoints):
     assert greedy(llm) == references["first"]
 
 
-def test_bad_weights_are_refused_by_name(llm):
+def test_bad_weights_are_refused_by_name(llm, references, checkpoints):
     with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
         llm.update_weights([("model.layers.9.mlp.up_proj.weight", np.zeros((2, 2)))])
     name = "model.layers.0.mlp.up_proj.weight"
@@ -104,6 +104,27 @@ def test_bad_weights_are_refused_by_name(llm):
         llm.update_weights([(name, np.zeros((2, 2), np.float32))])
     with pytest.raises(FileNotFoundError, match="not a directory"):
         llm.update_weights("/nonexistent/checkpoint")
+    # A bad tensor after good ones: those before it are in, none is left freed.
+    good = pairs_of(checkpoints["llama"])
+    with pytest.raises(ValueError, match="no_such.weight"):
+        llm.update_weights([*good[:3], ("model.no_such.weight", np.zeros(2))])
+    assert greedy(llm) == references["first"]
+
+
+def test_an_update_frees_each_old_tensor_as_it_goes(llm, checkpoints):
+    def live_bytes() -> int:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+    start = live_bytes()
+    seen = []
+
+    def streamed():  # numpy pairs, read one at a time: the device holds only the engine's
+        for name, array in pairs_of(checkpoints["llama"]):
+            seen.append(live_bytes())
+            yield name, array
+
+    llm.update_weights(streamed())
+    assert max(seen) == start == live_bytes()  # no second copy builds up
 
 
 def test_tensor_parallel_engine_on_the_callers_mesh_updated_from_other_devices(
