@@ -80,6 +80,12 @@ def dev_routes(ctx: ServingContext) -> list[Route]:
             check_pause_mode(mode)
         except ValueError as e:
             raise APIError(400, str(e), param="mode") from None
+        if mode == "keep" and raw != "0":
+            raise APIError(
+                400,
+                f"mode=keep keeps requests whose KV blocks level {raw} drops; use abort or wait",
+                param="mode",
+            )
         await engine.pause_generation(mode=mode, clear_cache=False)
         await _engine_call(engine, lambda e: control_of(e).sleep(int(raw)))
         return Response(status_code=200)

@@ -121,6 +121,8 @@ def test_update_weights_from_a_directory_matches_transformers(server, tmp_path, 
 def test_bad_values_are_400_and_the_server_keeps_serving(server):
     assert call(server, "POST", "/sleep", params={"level": 5}).status_code == 400
     assert call(server, "POST", "/pause", params={"mode": "later"}).status_code == 400
+    r = call(server, "POST", "/sleep", params={"level": 1, "mode": "keep"})
+    assert r.status_code == 400 and "mode=keep" in r.text
     assert call(server, "POST", "/wake_up", params={"tags": "everything"}).status_code == 400
     r = call(server, "POST", "/update_weights", json={"model_path": "/no/such/dir"})
     assert r.status_code == 400 and "not a directory" in r.text
