@@ -5,6 +5,7 @@ prefix-cache block; the same under tensor parallelism, from arrays on other devi
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -115,6 +116,7 @@ def test_an_update_frees_each_old_tensor_as_it_goes(llm, checkpoints):
     def live_bytes() -> int:
         return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
+    gc.collect()  # what earlier tests left is gone before counting
     start = live_bytes()
     seen = []
 
