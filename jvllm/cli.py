@@ -149,11 +149,16 @@ _ALIASES = {
 
 
 def engine_flag_fields() -> list[tuple[str, Any]]:
-    """(field name, resolved type) of every EngineArgs field but `model`."""
+    """(field name, resolved type) of every EngineArgs field but `model` and the
+    offline-only ones (`devices`)."""
     from jvllm.engine_args import EngineArgs
 
     hints = typing.get_type_hints(EngineArgs)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(EngineArgs) if f.name != "model"]
+    return [
+        (f.name, hints[f.name])
+        for f in dataclasses.fields(EngineArgs)
+        if f.name != "model" and f.metadata.get("flag", True)
+    ]
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -100,6 +100,8 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    # The caller's devices (LLM(mesh=...) or devices=[...]; no flag): the engine's mesh.
+    devices: Any = field(default=None, metadata={"flag": False})
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -170,9 +172,9 @@ class EngineArgs:
         if parallel.pipeline_parallel_size > 1:
             self._check_pipeline(speculative)
         mesh = None
-        if parallel.world_size > 1:
+        if parallel.world_size > 1 or self.devices is not None:
             tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-            mesh = make_mesh(tp, pipeline_parallel_size=pp)
+            mesh = make_mesh(tp, self.devices, pipeline_parallel_size=pp)
         backend = _resolve_backend(self.attention_backend)
         offload = int(self.cpu_offload_gb * memory.GIB)
         loaded = load_model(

@@ -22,21 +22,23 @@ from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
+from jvllm.weight_sync import WeightSync, engine_devices
 
 Prompt = str | dict[str, Any]
 
 
-class LLM:
+class LLM(WeightSync):
     """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
     vLLM arguments that have no effect here (`jvllm.compat`, each logged once). Without
-    a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults."""
+    a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults.
+    `mesh=` (a jax Mesh) or `devices=[...]`: the engine on the caller's devices."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is None:
             from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
 
             model, kwargs = str(demo_model_path()), {**DEMO_ENGINE_DEFAULTS, **kwargs}
-        kwargs = compat.accept(str(model), kwargs, offline=True)
+        kwargs = compat.accept(str(model), engine_devices(kwargs), offline=True)
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise TypeError(f"LLM got unknown arguments: {sorted(unknown)}")
@@ -163,6 +165,7 @@ class LLM:
         params: Sequence[SamplingParams | BeamSearchParams],
         priority: Sequence[int] | None = None,
     ) -> list[str]:
+        self._control.check_serving()  # asleep, or a weight update open: a clear error
         added: list[str] = []
         priorities = [0] * len(prompts) if priority is None else priority
         try:

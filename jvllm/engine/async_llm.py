@@ -26,9 +26,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from jvllm.engine.pause import Call, PauseMode, Scheduling, check_pause_mode
+from jvllm.engine.request_stream import RequestStream
 from jvllm.engine.request_timing import LatencyObserver, NoObserver, RequestTiming
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.outputs import RequestOutput
@@ -93,63 +95,6 @@ class _Stop(NamedTuple):
     pass
 
 
-class RequestStream:
-    """Outputs of one request, newest only. Iterate it; `close()` aborts it if unfinished.
-
-    Lives on the event loop: only loop code touches it."""
-
-    def __init__(
-        self, request_id: str, on_close: Callable[[RequestStream], None], delta: bool = False
-    ) -> None:
-        self.request_id = request_id
-        self.delta = delta  # DELTA outputs not read yet are folded together, not replaced
-        self.queued = True  # not scheduled yet: counts against max_queued_requests
-        self._on_close = on_close
-        self._latest: RequestOutput | None = None
-        self._error: Exception | None = None
-        self._event = asyncio.Event()
-        self._done = False
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def _put(self, output: RequestOutput) -> None:
-        if self.delta and self._latest is not None:
-            self._latest.add(output)
-        else:
-            self._latest = output
-        self._event.set()
-
-    def _fail(self, error: Exception) -> None:
-        self._error = error
-        self._event.set()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        if self._latest is None and self._error is None:
-            await self._event.wait()
-        self._event.clear()
-        output, self._latest = self._latest, None
-        if output is None:
-            self._done = True
-            assert self._error is not None
-            raise self._error
-        if output.finished:
-            self._done = True
-        return output
-
-    def close(self) -> None:
-        """Aborts the request unless it already finished; safe to call twice."""
-        if not self._done:
-            self._done = True
-            self._on_close(self)
-
-
 class AsyncLLM:
     """`await add_request(...)` -> RequestStream. Call `start()` on the event loop first."""
 
@@ -171,11 +116,12 @@ class AsyncLLM:
         self.max_queued_requests = max_queued_requests
         self._observer: LatencyObserver = observer or NoObserver()
         self._on_dead = on_dead
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | Call] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop-owned
         self._num_queued = 0  # loop-owned
         self._timings: dict[str, RequestTiming] = {}  # engine-thread-owned
         self._applying: list[_Add | _Abort | _Stop] = []  # engine-thread-owned
+        self._scheduling = Scheduling()  # engine-thread-owned: pause_generation's state
         self._metrics: dict[str, float] = dict(engine.get_metrics())
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -266,6 +212,29 @@ class AsyncLLM:
             await asyncio.to_thread(self._thread.join, timeout)
         self._engine.structured_outputs.shutdown()
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` run on the engine thread between steps; its result."""
+        self._check_alive()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
+        """vLLM's pause (`engine.pause`): requests in flight aborted, finished first
+        ("wait") or frozen ("keep"); new ones wait for `resume_generation`."""
+        check_pause_mode(mode)
+        scheduling = self._scheduling
+        paused = await self.call(lambda engine: scheduling.pause(engine, mode, clear_cache))
+        await asyncio.wrap_future(paused)
+
+    async def resume_generation(self) -> None:
+        await self.call(lambda engine: self._scheduling.resume())
+
+    async def is_paused(self) -> bool:
+        return self._scheduling.paused
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -324,11 +293,15 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while True:
-                busy = self._engine.has_unfinished_requests()
+                scheduling = self._scheduling
+                busy = self._engine.has_unfinished_requests() and scheduling.stepping
                 if not self._apply(self._take_commands(block=not busy)):
                     return
-                if self._engine.has_unfinished_requests():
+                self._apply(scheduling.take_released())  # held while paused, now resumed
+                stepping = self._engine.has_unfinished_requests() and scheduling.stepping
+                if stepping or scheduling.take_flush():
                     self._step()
+                scheduling.settle(self._engine)
                 self._metrics = dict(self._engine.get_metrics())
         except Exception as e:
             # Anything past validation leaves the engine in an unknown state: fail-stop.
@@ -339,7 +312,7 @@ class AsyncLLM:
                     _settle(command.done, EngineDeadError(self._dead))
             self._call_on_loop(self._fail_all)
 
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
+    def _take_commands(self, block: bool) -> list[Any]:
         commands = [self._commands.get()] if block else []
         while True:
             try:
@@ -347,7 +320,7 @@ class AsyncLLM:
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
+    def _apply(self, commands: list[Any]) -> bool:
         """Applies commands in order; returns False on a stop command."""
         self._applying = commands
         for command in commands:
@@ -358,6 +331,12 @@ class AsyncLLM:
                 timing = self._timings.pop(command.request_id, None)
                 if timing is not None:
                     self._observer.finished(timing.aborted(time.monotonic()))
+                continue
+            if isinstance(command, Call):
+                command.run(self._engine)
+                continue
+            if self._scheduling.paused:
+                self._scheduling.held.append(command)  # admitted on resume
                 continue
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it

@@ -121,6 +121,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
+        self.weight_version: str | int | None = None  # finish_weight_update's
         # Thread-safe: the server compiles a request's grammar before it reaches us.
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
@@ -344,6 +345,16 @@ class LLMEngine:
             next_at += 1 + k
         return SampledRows(at, verified)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (device and host tier); False, and nothing done,
+        while a request holds blocks (vLLM's rule)."""
+        manager = self.scheduler.kv_cache_manager
+        if not manager.block_pool.reset_prefix_cache():
+            return False
+        if manager.host_tier is not None:
+            manager.host_tier.clear()
+        return True
+
     # -- metrics --
 
     def stats(self) -> EngineStats:
@@ -354,6 +365,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.output_processor.generation_tokens,
             num_compilations=self.runner.num_compilations,
+            weight_version=self.weight_version,
         )
 
     def get_metrics(self) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class EngineStats:
     prompt_tokens: int = metric(COUNTER, "Prompt tokens received")
     generation_tokens: int = metric(COUNTER, "Tokens generated")
     num_compilations: int = metric(None, "Compiled device programs held")
+    # A field with a default: set by finish_weight_update(weight_version=...).
+    weight_version: Any = metric(None, "The weights' version (None: as loaded)")
 
     def as_dict(self) -> dict[str, Any]:
         """Every metric by name, flat (`LLMEngine.get_metrics()`)."""

@@ -32,9 +32,11 @@ def device_kv_blocks(
     draft: LoadedModel | None = None,
     lookahead: int = 0,
 ) -> int | None:
-    """KV blocks (the null block among them) for `block_bytes` blocks on device 0, or
-    None where it reports no memory statistics (CPU devices)."""
-    device = jax.local_devices()[0]
+    """KV blocks (the null block among them) for `block_bytes` blocks on the engine's
+    first device, or None where it reports no memory statistics (CPU devices). What is
+    allocated there already (a training state beside the engine) counts as in use."""
+    # The engine's first device: the caller's (LLM(mesh=...)) may not be device 0.
+    device = jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]
     if "bytes_limit" not in (device.memory_stats() or {}):
         if device.platform != "cpu":
             logger.warning(

@@ -109,6 +109,7 @@ def build_app(
     api_key: str | None = None,
     cors: CORSPolicy | None = None,
     stats: StatsLogger | None = None,
+    dev_routes: bool = False,
 ) -> Starlette:
     state = state or ServerState()
     openapi = openapi_document(auth=api_key is not None)
@@ -150,6 +151,10 @@ def build_app(
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
+    if dev_routes:  # VLLM_SERVER_DEV_MODE=1 or --enable-dev-routes: a training job's
+        from .dev_routes import dev_routes as training_routes
+
+        routes += training_routes(ctx)
     middleware = [Middleware(DrainMiddleware, state=state)]
     if api_key is not None:
         middleware.insert(0, Middleware(APIKeyMiddleware, api_key=api_key))

@@ -145,6 +145,13 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)",
     )
     add(
+        "--enable-dev-routes",
+        action=_BOOL,
+        default=False,
+        help="serve /sleep, /wake_up, /pause, /resume, /update_weights and the other routes "
+        "of a training job (as VLLM_SERVER_DEV_MODE=1 does)",
+    )
+    add(
         "--max-request-body-bytes",
         type=int,
         default=None,
@@ -191,5 +198,6 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         reasoning_parser=args.reasoning_parser,
         log_stats=not args.disable_log_stats,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_dev_routes=args.enable_dev_routes,
         **optional,
     )

@@ -38,6 +38,7 @@ from jvllm.parallel import step_channel
 
 from .app import CORSPolicy, ServerState, build_app
 from .chat_template import load_chat_template
+from .dev_routes import dev_mode_enabled
 from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
 from .reasoning import get_reasoning_parser
@@ -84,6 +85,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None  # a file registering more tool parsers
     reasoning_parser: str | None = None
+    enable_dev_routes: bool = False  # /sleep, /pause, /update_weights ... (dev_routes.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -223,7 +225,8 @@ def run_server(
     )
     state = ServerState()
     stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None
-    app = build_app(ctx, metrics, state, config.api_key, cors=_cors(config), stats=stats)
+    dev = dev_mode_enabled(config.enable_dev_routes)
+    app = build_app(ctx, metrics, state, config.api_key, _cors(config), stats, dev_routes=dev)
     uv_config = _uvicorn_config(app, config)
     server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
     _log_start(config, model_path, names)

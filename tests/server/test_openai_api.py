@@ -434,3 +434,10 @@ def test_priority_needs_the_priority_policy(env):
             model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 1}
         )
     assert "scheduling_policy" in str(err.value) and err.value.body["param"] == "priority"
+
+
+def test_training_routes_do_not_exist_without_the_dev_flag(env):
+    for path in ("/sleep", "/wake_up", "/pause", "/update_weights", "/collective_rpc"):
+        r = httpx.post(env.url + path, headers=auth_headers(), timeout=10)
+        assert r.status_code == 404, path
+    assert httpx.post(env.url + "/sleep", timeout=10).status_code == 401  # the key comes first

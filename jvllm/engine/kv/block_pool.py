@@ -170,6 +170,15 @@ class BlockPool:
         assert self._ref_counts[block_id] > 0, f"uncaching free block {block_id}"
         self._evict(block_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached content (vLLM's reset_prefix_cache); False, and nothing
+        forgotten, while any block is held."""
+        if len(self._free) != self.num_usable_blocks:
+            return False
+        self._cached_by_hash.clear()
+        self._cached_by_block.clear()
+        return True
+
     def _evict(self, block_id: int) -> CachedBlock | None:
         cached = self._cached_by_block.pop(block_id, None)
         if cached is not None:

@@ -72,6 +72,11 @@ class HostPrefixTier:
         self._releasing.append(entry.host_block)
         return entry
 
+    def clear(self) -> None:
+        """Forgets every entry (the prefix cache reset); their host blocks are free."""
+        self._free += [e.host_block for e in self._entries.values()]
+        self._entries.clear()
+
     def end_step(self) -> None:
         self._free += self._releasing
         self._releasing.clear()
