@@ -30,6 +30,7 @@ from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.generation_config import generation_config_dir
+from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.spec import ModelSpec
@@ -99,6 +100,11 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    enable_lora: bool = False  # LoRA adapters (vLLM's names): see jvllm.lora.config
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -152,7 +158,7 @@ class EngineArgs:
         # Before anything starts JAX's backend (LLM and `jvllm serve` call it earlier).
         xla_allocator.configure_allocator(self.gpu_memory_utilization)
         _check_cpu_offload(self.cpu_offload_gb)
-        speculative = self.speculative()
+        speculative, lora = self.speculative(), LoRAConfig.from_args(self)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
         )
@@ -218,6 +224,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             preemption_mode=self.preemption_mode,
+            max_loras=lora.max_loras if lora is not None else 0,
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -255,9 +262,10 @@ class EngineArgs:
             draft,
             parallel.pipeline_micro_batches,
             None if cache_dir is None else cache_dir / EXECUTABLES_DIR,
+            lora,
         )
         runner.warm_up()
-        config = EngineConfig(model_config, cache, scheduler, parallel, speculative)
+        config = EngineConfig(model_config, cache, scheduler, parallel, speculative, lora)
         return _Built(runner, loaded, config, num_host_blocks, num_tier_blocks)
 
     def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:

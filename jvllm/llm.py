@@ -19,6 +19,7 @@ from jvllm.engine.beam_search import hypothesis_score
 from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
@@ -69,7 +70,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -90,7 +93,7 @@ class LLM:
         specs = [p.structured_outputs for p in params if p.structured_outputs is not None]
         for future in [self.engine.structured_outputs.compile(s) for s in specs]:
             future.result()
-        ids = self._add_all(prompts, params)
+        ids = self._add_all(prompts, params, _per_prompt(lora_request, len(prompts)))
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -100,6 +103,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
@@ -116,7 +120,7 @@ class LLM:
             # The template already carries any special tokens it wants.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -154,13 +158,17 @@ class LLM:
         return results
 
     def _add_all(
-        self, prompts: list[Prompt], params: Sequence[SamplingParams | BeamSearchParams]
+        self,
+        prompts: list[Prompt],
+        params: Sequence[SamplingParams | BeamSearchParams],
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         added: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt leaves no half-submitted batch behind.
@@ -186,3 +194,17 @@ class LLM:
                         bar.set_postfix_str(f"output {rate:.1f} tok/s")
         bar.close()
         return [done[i] for i in request_ids]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one each."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"got {len(loras)} lora_requests for {num_prompts} prompts; pass one, or one per prompt"
+        )
+    return loras

@@ -1,0 +1,109 @@
+"""LoRASlots: which LoRA adapter sits in which device slot, and the host cache of read
+adapters (vLLM's LRU LoRA managers, on the host side).
+
+Owns reading an adapter when a request (or `add_lora`) first names it, checked against
+the model before the request enters (`lora/peft_adapter.py`), and keeping up to
+`max_cpu_loras` read adapters in host memory, least recently used evicted first; and,
+each step, placing the step's adapters in the `max_loras` device slots (slot 0 is the
+base model), evicting the least recently used slot whose adapter the step does not
+use, and giving each row its slot (`SchedulerOutput.lora_slots`). The scheduler admits
+no more distinct adapters than there are slots (`admission.py`). The device arrays are
+the runner's (`StepRunner.set_lora`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jvllm.engine.step_io import SchedulerOutput, StepRunner
+from jvllm.lora.config import LoRAConfig
+from jvllm.lora.peft_adapter import LoRAModel, load_peft_adapter
+from jvllm.lora.request import LoRARequest
+
+
+class LoRASlots:
+    def __init__(self, config: LoRAConfig, runner: StepRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.shapes = runner.lora_module_shapes
+        # Read adapters by id, least recently used first.
+        self._host: OrderedDict[int, LoRAModel] = OrderedDict()
+        self._requests: dict[int, LoRARequest] = {}  # every adapter named so far, by id
+        # Device slot s (1..max_loras) holds adapter _slots[s - 1] (None: empty).
+        self._slots: list[int | None] = [None] * config.max_loras
+        self._last_used = [0] * config.max_loras  # the step that last used each slot
+        self._step = 0
+        self.num_reads = 0  # adapters read from disk
+        self.num_device_loads = 0  # adapters written into a device slot
+
+    def add_lora(self, request: LoRARequest) -> LoRAModel:
+        """The adapter read (from the host cache, else from disk), checked: raises
+        `LoRAAdapterError` naming what is wrong. One id keeps one name and path."""
+        known = self._requests.get(request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (
+            request.lora_name,
+            request.lora_path,
+        ):
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} is already adapter {known.lora_name!r} "
+                f"({known.lora_path}); give {request.lora_name!r} an id of its own"
+            )
+        model = self._host.get(request.lora_int_id)
+        if model is None:
+            model = load_peft_adapter(
+                request.lora_path, request.lora_int_id, self.config.max_lora_rank, self.shapes
+            )
+            self.num_reads += 1
+            self._host[request.lora_int_id] = model
+            while len(self._host) > self.config.host_capacity:
+                self._host.popitem(last=False)
+        self._host.move_to_end(request.lora_int_id)
+        self._requests[request.lora_int_id] = request
+        return model
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (host cache and device slot); False if it was unknown.
+        A request still running with it reads it again from its path."""
+        known = self._requests.pop(lora_int_id, None) is not None
+        self._host.pop(lora_int_id, None)
+        if lora_int_id in self._slots:
+            self._slots[self._slots.index(lora_int_id)] = None
+        return known
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters read and not removed."""
+        return sorted(self._requests)
+
+    def assign_slots(self, sched: SchedulerOutput, states: Sequence[Any]) -> SchedulerOutput:
+        """`sched` with each row's device slot, after writing the adapters it needs that
+        no slot holds (`states`: the rows' sequence states, `.request` each)."""
+        self._step += 1
+        ids = [state.request.lora_request for state in states]
+        wanted = {r.lora_int_id: r for r in ids if r is not None}
+        assert len(wanted) <= len(self._slots), "the scheduler admits at most max_loras"
+        slot_of = {}
+        for lora_int_id, request in wanted.items():
+            if lora_int_id in self._slots:
+                slot = self._slots.index(lora_int_id) + 1
+            else:
+                slot = self._load(request, wanted)
+            self._last_used[slot - 1] = self._step
+            slot_of[lora_int_id] = slot
+        slots = np.array([0 if r is None else slot_of[r.lora_int_id] for r in ids], np.int32)
+        return dataclasses.replace(sched, lora_slots=slots)
+
+    def _load(self, request: LoRARequest, wanted: dict[int, LoRARequest]) -> int:
+        """Writes `request`'s adapter into an empty slot, else into the least recently
+        used slot holding none of `wanted`; its slot."""
+        free = [i for i, held in enumerate(self._slots) if held is None or held not in wanted]
+        index = min(free, key=lambda i: (self._slots[i] is not None, self._last_used[i]))
+        model = self.add_lora(request)
+        self.runner.set_lora(index + 1, model)
+        self._slots[index] = request.lora_int_id
+        self.num_device_loads += 1
+        return index + 1
