@@ -83,7 +83,10 @@ def load_peft_adapter(
     for name, value in tensors.items():
         match = _TENSOR.match(name)
         if match is None or match.group(3) not in SUPPORTED_TARGETS:
-            unknown.add(match.group(3) if match else name)
+            # The module's own name: "lm_head" of "base_model.model.lm_head.lora_A.weight"
+            # (or of "...lm_head.weight", a whole layer PEFT saved).
+            stem = name.split(".lora_")[0].removesuffix(".weight").removesuffix(".base_layer")
+            unknown.add(match.group(3) if match else stem.split(".")[-1])
             continue
         key = (int(match.group(1)), match.group(3))
         pairs.setdefault(key, {})[match.group(4)] = value
