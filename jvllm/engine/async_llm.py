@@ -65,7 +65,12 @@ class Engine(Protocol):
     structured_outputs: Any
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None,
+        lora_request: Any = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -89,6 +94,7 @@ class _Add(NamedTuple):
     arrival: float
     done: concurrent.futures.Future[None]
     final_only: bool = False
+    lora_request: Any = None  # a LoRARequest: the adapter it runs with
 
 
 class _Abort(NamedTuple):
@@ -212,7 +218,7 @@ class AsyncLLM:
         return self._metrics
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams
+        self, request_id: str, prompt: Any, params: SamplingParams, lora_request: Any = None
     ) -> RequestStream:
         """Queues a request; raises ValueError (bad input), QueueFullError or EngineDeadError."""
         self._check_alive()
@@ -233,7 +239,8 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._num_queued += 1
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), done, final_only))
+        add = _Add(request_id, prompt, params, time.monotonic(), done, final_only, lora_request)
+        self._commands.put(add)
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -374,8 +381,9 @@ class AsyncLLM:
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it
             try:
+                c = command
                 self._engine.add_request(
-                    command.request_id, command.prompt, command.params, command.arrival
+                    c.request_id, c.prompt, c.params, c.arrival, c.lora_request
                 )
             except ValueError as e:  # InvalidRequestError keeps the field it names
                 command.done.set_exception(e)

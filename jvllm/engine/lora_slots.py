@@ -9,11 +9,16 @@ base model), evicting the least recently used slot whose adapter the step does n
 use, and giving each row its slot (`SchedulerOutput.lora_slots`). The scheduler admits
 no more distinct adapters than there are slots (`admission.py`). The device arrays are
 the runner's (`StepRunner.set_lora`).
+
+`add_lora`, `remove_lora` and `list_loras` may be called from any thread (the server
+reads an adapter off the engine thread, so that a step never waits for its files); the
+rest runs on the engine's thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -38,51 +43,60 @@ class LoRASlots:
         self._slots: list[int | None] = [None] * config.max_loras
         self._last_used = [0] * config.max_loras  # the step that last used each slot
         self._step = 0
+        self._lock = threading.Lock()  # guards _host, _requests and _removed
+        self._removed: set[int] = set()  # adapters removed since the last step
         self.num_reads = 0  # adapters read from disk
         self.num_device_loads = 0  # adapters written into a device slot
 
     def add_lora(self, request: LoRARequest) -> LoRAModel:
         """The adapter read (from the host cache, else from disk), checked: raises
         `LoRAAdapterError` naming what is wrong. One id keeps one name and path."""
-        known = self._requests.get(request.lora_int_id)
-        if known is not None and (known.lora_name, known.lora_path) != (
-            request.lora_name,
-            request.lora_path,
-        ):
-            raise ValueError(
-                f"lora_int_id {request.lora_int_id} is already adapter {known.lora_name!r} "
-                f"({known.lora_path}); give {request.lora_name!r} an id of its own"
-            )
-        model = self._host.get(request.lora_int_id)
-        if model is None:
-            model = load_peft_adapter(
-                request.lora_path, request.lora_int_id, self.config.max_lora_rank, self.shapes
-            )
-            self.num_reads += 1
-            self._host[request.lora_int_id] = model
+        lora_int_id = request.lora_int_id
+        with self._lock:
+            known = self._requests.get(lora_int_id)
+            if known is not None and (known.lora_name, known.lora_path) != (
+                request.lora_name,
+                request.lora_path,
+            ):
+                raise ValueError(
+                    f"lora_int_id {lora_int_id} is already adapter {known.lora_name!r} "
+                    f"({known.lora_path}); give {request.lora_name!r} an id of its own"
+                )
+            model = self._host.get(lora_int_id)
+        if model is None:  # read outside the lock: other threads go on meanwhile
+            max_rank = self.config.max_lora_rank
+            model = load_peft_adapter(request.lora_path, lora_int_id, max_rank, self.shapes)
+        with self._lock:
+            if lora_int_id not in self._host:
+                self.num_reads += 1
+                self._host[lora_int_id] = model
+            self._host.move_to_end(lora_int_id)
             while len(self._host) > self.config.host_capacity:
                 self._host.popitem(last=False)
-        self._host.move_to_end(request.lora_int_id)
-        self._requests[request.lora_int_id] = request
+            self._requests[lora_int_id] = request
         return model
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter (host cache and device slot); False if it was unknown.
         A request still running with it reads it again from its path."""
-        known = self._requests.pop(lora_int_id, None) is not None
-        self._host.pop(lora_int_id, None)
-        if lora_int_id in self._slots:
-            self._slots[self._slots.index(lora_int_id)] = None
+        with self._lock:
+            known = self._requests.pop(lora_int_id, None) is not None
+            self._host.pop(lora_int_id, None)
+            self._removed.add(lora_int_id)  # its slot is emptied by the next step
         return known
 
     def list_loras(self) -> list[int]:
         """The ids of the adapters read and not removed."""
-        return sorted(self._requests)
+        with self._lock:
+            return sorted(self._requests)
 
     def assign_slots(self, sched: SchedulerOutput, states: Sequence[Any]) -> SchedulerOutput:
         """`sched` with each row's device slot, after writing the adapters it needs that
         no slot holds (`states`: the rows' sequence states, `.request` each)."""
         self._step += 1
+        with self._lock:
+            removed, self._removed = self._removed, set()
+        self._slots = [None if held in removed else held for held in self._slots]
         ids = [state.request.lora_request for state in states]
         wanted = {r.lora_int_id: r for r in ids if r is not None}
         assert len(wanted) <= len(self._slots), "the scheduler admits at most max_loras"

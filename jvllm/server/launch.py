@@ -36,6 +36,8 @@ from jvllm.parallel import step_channel
 
 from .app import CORSPolicy, ServerState, build_app
 from .chat_template import load_chat_template
+from .lora import served_loras
+from .lora_args import LoRAModulePath
 from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
 from .serving import ServingContext
@@ -79,6 +81,8 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # served by name (--enable-lora)
+    allow_runtime_lora_updating: bool | None = None  # None: VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -200,6 +204,7 @@ def run_server(
     if liveness is not None:
         liveness.on_lost = async_llm.fail
     names = list(config.served_model_names) or [model_path]
+    loras = served_loras(engine, names[0], config.lora_modules, config.allow_runtime_lora_updating)
     ctx = ServingContext(
         async_llm,
         names,
@@ -213,6 +218,7 @@ def run_server(
         max_log_len=config.max_log_len,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        loras=loras,
     )
     state = ServerState()
     stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None

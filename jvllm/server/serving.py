@@ -31,10 +31,12 @@ from jvllm.engine.async_llm import (
 )
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.generation_config import RequestDefaults
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 from .errors import APIError, from_validation_error
+from .lora import ServedLoRAs
 from .protocol import SamplingRequest
 from .responses import Usage
 from .streaming import ClientDisconnected, final_outputs, until_disconnected
@@ -71,6 +73,7 @@ class ServingContext:
     max_log_len: int | None = None  # prompt characters and ids a request log line shows
     return_tokens_as_token_ids: bool = False
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: "auto" works
+    loras: ServedLoRAs | None = None  # LoRA adapters served by name (--enable-lora)
 
     @property
     def tokenizer(self) -> Any:
@@ -80,6 +83,8 @@ class ServingContext:
         """The name to answer with; 404 for a model this server does not serve."""
         if requested is None:
             return self.served_model_names[0]
+        if self.loras is not None and self.loras.get(requested) is not None:
+            return requested
         if requested not in self.served_model_names:
             raise APIError(
                 404,
@@ -111,10 +116,19 @@ class ServingContext:
             )
         return requested
 
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a request's (checked) model name chooses; None: the base model."""
+        return self.loras.get(model) if self.loras is not None else None
+
     async def submit(
-        self, prefix: str, prompts: list[Prompt], params: list[SamplingParams]
+        self,
+        prefix: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Adds every prompt, or none: a failure aborts those already added."""
+        """Adds every prompt (with `lora_request`'s adapter), or none: a failure aborts
+        those already added."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -122,7 +136,9 @@ class ServingContext:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 if self.log_requests:
                     self._log_request(rid, prompt, p)
-                streams.append(await self.engine.add_request(rid, prompt.engine_input(), p))
+                streams.append(
+                    await self.engine.add_request(rid, prompt.engine_input(), p, lora_request)
+                )
         except BaseException as e:
             for stream in streams:
                 stream.close()

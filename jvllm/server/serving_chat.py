@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if constraint is not None:
         extra["structured_outputs"] = constraint
     params = sampling_params(req, max_tokens, ctx.defaults, **extra)
-    streams = await ctx.submit("chatcmpl", [prompt], [params])
+    streams = await ctx.submit("chatcmpl", [prompt], [params], ctx.lora_request(model))
     view = _ChatView(ctx, req, model, params, mode)
     if req.stream:
         return EventStreamResponse(view.stream(streams[0]))
