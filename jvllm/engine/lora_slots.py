@@ -97,8 +97,8 @@ class LoRASlots:
         with self._lock:
             removed, self._removed = self._removed, set()
         self._slots = [None if held in removed else held for held in self._slots]
-        ids = [state.request.lora_request for state in states]
-        wanted = {r.lora_int_id: r for r in ids if r is not None}
+        loras = [state.request.lora_request for state in states]  # per row, None: base
+        wanted = {r.lora_int_id: r for r in loras if r is not None}
         assert len(wanted) <= len(self._slots), "the scheduler admits at most max_loras"
         slot_of = {}
         for lora_int_id, request in wanted.items():
@@ -108,7 +108,7 @@ class LoRASlots:
                 slot = self._load(request, wanted)
             self._last_used[slot - 1] = self._step
             slot_of[lora_int_id] = slot
-        slots = np.array([0 if r is None else slot_of[r.lora_int_id] for r in ids], np.int32)
+        slots = np.array([0 if r is None else slot_of[r.lora_int_id] for r in loras], np.int32)
         return dataclasses.replace(sched, lora_slots=slots)
 
     def _load(self, request: LoRARequest, wanted: dict[int, LoRARequest]) -> int:

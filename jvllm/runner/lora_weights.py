@@ -42,8 +42,10 @@ def _write_slot(weights: LoRAWeights, index: jax.Array, values: LoRAWeights) -> 
 
 class DeviceLoRA:
     def __init__(self, config: LoRAConfig, loaded: LoadedModel, mesh: Mesh | None) -> None:
-        if pp_size(mesh) > 1:
-            raise ValueError("enable_lora does not support pipeline_parallel_size > 1 yet")
+        if pp_size(mesh) > 1 or jax.process_count() > 1:
+            raise ValueError(
+                "enable_lora does not support pipeline_parallel_size > 1 or multi-host runs yet"
+            )
         spec = loaded.spec
         self.num_slots, self.rank, self.mesh = config.max_loras, config.max_lora_rank, mesh
         self.dtype = loaded.dtype if config.lora_dtype == "auto" else jnp.dtype(config.lora_dtype)

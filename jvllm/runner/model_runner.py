@@ -218,6 +218,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             static_argnames=("shape",),
             donate_argnames=("caches", "logits_buffer"),
             fixed=(0, 1),
+            fixed_kwargs=("lora_weights",),
         )
         self._sample_fn = Program(programs.sample, "sample", store)
         self._mask_fn = Program(programs.apply_bitmask, "mask", store)
