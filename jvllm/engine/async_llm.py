@@ -381,10 +381,9 @@ class AsyncLLM:
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it
             try:
-                c = command
-                self._engine.add_request(
-                    c.request_id, c.prompt, c.params, c.arrival, c.lora_request
-                )
+                c, lora = command, command.lora_request  # passed on only when there is one
+                lora_kwargs = {} if lora is None else {"lora_request": lora}
+                self._engine.add_request(c.request_id, c.prompt, c.params, c.arrival, **lora_kwargs)
             except ValueError as e:  # InvalidRequestError keeps the field it names
                 command.done.set_exception(e)
                 continue

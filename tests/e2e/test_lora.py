@@ -79,6 +79,7 @@ def test_mixed_adapters_match_peft_merged_models(llm, batch, expected, hf_models
     compiled = llm.get_metrics()["num_compilations"]
     outs = llm.generate(batch[0], GREEDY, use_tqdm=False, lora_request=batch[1])
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.lora_request for o in outs] == batch[1]
     # The adapters change the output (B is not zero), and none of it compiled anything.
     base = expected[: len(PROMPTS)]
     assert all(expected[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] != base for i in (1, 2, 3))
