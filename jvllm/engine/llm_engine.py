@@ -178,6 +178,8 @@ class LLMEngine:
         self.output_processor.add_group(group)
         for state in group.children:
             self.scheduler.add_request(state.request)
+            if lora_request is not None and self.lora_slots is not None:
+                self.lora_slots.hold(state.request.request_id, lora_request.lora_int_id)
         self.prompt_tokens += len(ids)
 
     def _add_beam_search(
@@ -354,6 +356,8 @@ class LLMEngine:
         """Tells the scheduler (and the speculator) what a commit ended or continued."""
         for request_id, status in commit.finished:
             self.scheduler.finish_request(request_id, status)
+            if self.lora_slots is not None:
+                self.lora_slots.release(request_id)
             if self.speculator is not None:
                 self.speculator.forget(request_id)
         for beams in commit.continuations:

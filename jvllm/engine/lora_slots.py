@@ -3,7 +3,8 @@ adapters (vLLM's LRU LoRA managers, on the host side).
 
 Owns reading an adapter when a request (or `add_lora`) first names it, checked against
 the model before the request enters (`lora/peft_adapter.py`), and keeping up to
-`max_cpu_loras` read adapters in host memory, least recently used evicted first; and,
+`max_cpu_loras` read adapters in host memory, least recently used evicted first (never
+one that a waiting or running request uses: `hold` / `release`); and,
 each step, placing the step's adapters in the `max_loras` device slots (slot 0 is the
 base model), evicting the least recently used slot whose adapter the step does not
 use, and giving each row its slot (`SchedulerOutput.lora_slots`). The scheduler admits
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +44,12 @@ class LoRASlots:
         self._slots: list[int | None] = [None] * config.max_loras
         self._last_used = [0] * config.max_loras  # the step that last used each slot
         self._step = 0
-        self._lock = threading.Lock()  # guards _host, _requests and _removed
+        self._lock = threading.Lock()  # guards _host, _requests, _removed and _held
         self._removed: set[int] = set()  # adapters removed since the last step
+        # Request id -> its adapter, from its arrival to its end; the host cache keeps
+        # every adapter a request holds, so a step never reads one from disk.
+        self._live: dict[str, int] = {}
+        self._held: Counter[int] = Counter()
         self.num_reads = 0  # adapters read from disk
         self.num_device_loads = 0  # adapters written into a device slot
 
@@ -71,17 +76,40 @@ class LoRASlots:
                 self.num_reads += 1
                 self._host[lora_int_id] = model
             self._host.move_to_end(lora_int_id)
-            while len(self._host) > self.config.host_capacity:
-                self._host.popitem(last=False)
             self._requests[lora_int_id] = request
+            self._trim_host(keep=lora_int_id)
         return model
+
+    def _trim_host(self, keep: int) -> None:
+        """Evicts least recently used adapters that no request holds, but `keep` (just
+        read for a request about to hold it), down to max_cpu_loras (lock held)."""
+        excess = len(self._host) - self.config.host_capacity
+        spare = [i for i in self._host if not self._held[i] and i != keep]
+        for lora_int_id in spare[: max(excess, 0)]:
+            del self._host[lora_int_id]
+
+    def hold(self, request_id: str, lora_int_id: int) -> None:
+        """A request (one sequence) runs with the adapter until `release`."""
+        with self._lock:
+            self._live[request_id] = lora_int_id
+            self._held[lora_int_id] += 1
+
+    def release(self, request_id: str) -> None:
+        """A sequence ended (finished or aborted); no-op for one without an adapter."""
+        with self._lock:
+            lora_int_id = self._live.pop(request_id, None)
+            if lora_int_id is not None:
+                self._held[lora_int_id] -= 1
+                if not self._held[lora_int_id]:
+                    del self._held[lora_int_id]
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter (host cache and device slot); False if it was unknown.
         A request still running with it reads it again from its path."""
         with self._lock:
             known = self._requests.pop(lora_int_id, None) is not None
-            self._host.pop(lora_int_id, None)
+            if not self._held[lora_int_id]:  # else its requests finish with it
+                self._host.pop(lora_int_id, None)
             self._removed.add(lora_int_id)  # its slot is emptied by the next step
         return known
 

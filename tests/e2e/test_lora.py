@@ -71,7 +71,7 @@ def make_llm(path, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm(checkpoints) -> LLM:
-    # Two device slots and two host entries for three adapters: both evict.
+    # Two device slots and two host entries for three adapters.
     return make_llm(checkpoints["llama"], max_cpu_loras=2)
 
 
@@ -84,8 +84,9 @@ def test_mixed_adapters_match_peft_merged_models(llm, batch, expected, hf_models
     base = expected[: len(PROMPTS)]
     assert all(expected[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] != base for i in (1, 2, 3))
     assert llm.get_metrics()["num_compilations"] == compiled
+    # The slots evicted; the host cache kept every adapter in use (no step read one).
     slots = llm.engine.lora_slots
-    assert slots.num_device_loads >= 3 and slots.num_reads >= 3
+    assert slots.num_device_loads >= 3 and slots.num_reads == 3
 
 
 def test_one_adapter_for_all_prompts_and_prefix_reuse(llm, adapters, batch, expected):
