@@ -27,6 +27,7 @@ __all__ = [
     "CompletionOutput",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "LoRARequest",
     "__version__",
 ]
 
@@ -36,6 +37,7 @@ _LAZY = {
     "CompletionOutput": "jvllm.outputs",
     "BeamSearchOutput": "jvllm.beam_search",
     "BeamSearchSequence": "jvllm.beam_search",
+    "LoRARequest": "jvllm.lora.request",
 }
 
 

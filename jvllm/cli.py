@@ -90,6 +90,12 @@ _HELP = {
     "num_speculative_tokens": "draft tokens per step (with --speculative-model)",
     "ngram_prompt_lookup_max": "longest suffix n-gram to look up (with --speculative-model)",
     "ngram_prompt_lookup_min": "shortest suffix n-gram to look up (with --speculative-model)",
+    "enable_lora": "serve PEFT LoRA adapters, chosen per request (docs/lora.md)",
+    "max_loras": "adapters resident on the devices at once: the most one batch mixes",
+    "max_lora_rank": "the largest adapter rank accepted (every device slot's rank)",
+    "max_cpu_loras": "adapters kept read in host memory (default: --max-loras)",
+    "lora_dtype": "the adapters' dtype on the devices: auto (the model's), float32, "
+    "bfloat16, float16",
 }
 
 
@@ -130,6 +136,11 @@ _GROUPS = {
     "num_speculative_tokens": "SpeculativeConfig",
     "ngram_prompt_lookup_max": "SpeculativeConfig",
     "ngram_prompt_lookup_min": "SpeculativeConfig",
+    "enable_lora": "LoRAConfig",
+    "max_loras": "LoRAConfig",
+    "max_lora_rank": "LoRAConfig",
+    "max_cpu_loras": "LoRAConfig",
+    "lora_dtype": "LoRAConfig",
 }
 _GROUP_ORDER = (
     "ModelConfig",
@@ -139,6 +150,7 @@ _GROUP_ORDER = (
     "ParallelConfig",
     "CompilationConfig",
     "SpeculativeConfig",
+    "LoRAConfig",
     "EngineArgs",  # fields not in _GROUPS yet
 )
 _ALIASES = {

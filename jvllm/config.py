@@ -12,6 +12,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jvllm.lora.config import LoRAConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -106,6 +108,8 @@ class SchedulerConfig:
     # blocks to host memory (CacheConfig.swap_space) and back, recomputing only when
     # the host pool is full.
     preemption_mode: str = "recompute"
+    # With LoRA: the most distinct adapters the running requests may use (max_loras).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -249,3 +253,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: enable_lora off

@@ -9,13 +9,10 @@ through here, so their flags and keyword arguments stay the same.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from jvllm.config import (
@@ -29,11 +26,17 @@ from jvllm.config import (
 from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
+from jvllm.engine_resolution import (
+    check_cpu_offload,
+    compilation_cache,
+    resolve_backend,
+    resolve_max_model_len,
+)
 from jvllm.generation_config import generation_config_dir
+from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.medusa import load_medusa_heads
-from jvllm.models.spec import ModelSpec
 from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
 from jvllm.parallel import step_channel
 from jvllm.parallel.distributed import distributed_config
@@ -102,6 +105,11 @@ class EngineArgs:
     ngram_prompt_lookup_min: int | None = None
     # The caller's devices (LLM(mesh=...) or devices=[...]; no flag): the engine's mesh.
     devices: Any = field(default=None, metadata={"flag": False})
+    enable_lora: bool = False  # LoRA adapters (vLLM's names): see jvllm.lora.config
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -154,8 +162,8 @@ class EngineArgs:
     def _build(self) -> _Built:
         # Before anything starts JAX's backend (LLM and `jvllm serve` call it earlier).
         xla_allocator.configure_allocator(self.gpu_memory_utilization)
-        _check_cpu_offload(self.cpu_offload_gb)
-        speculative = self.speculative()
+        check_cpu_offload(self.cpu_offload_gb)
+        speculative, lora = self.speculative(), LoRAConfig.from_args(self)
         model_config = ModelConfig(
             self.model, self.dtype, self.max_model_len, self.seed, self.attention_backend
         )
@@ -175,7 +183,7 @@ class EngineArgs:
         if parallel.world_size > 1 or self.devices is not None:
             tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
             mesh = make_mesh(tp, self.devices, pipeline_parallel_size=pp)
-        backend = _resolve_backend(self.attention_backend)
+        backend = resolve_backend(self.attention_backend)
         offload = int(self.cpu_offload_gb * memory.GIB)
         loaded = load_model(
             self.model,
@@ -201,7 +209,7 @@ class EngineArgs:
                 loaded.num_offloaded_layers,
                 loaded.spec.num_layers,
             )
-        max_model_len = _resolve_max_model_len(self.max_model_len, loaded.spec)
+        max_model_len = resolve_max_model_len(self.max_model_len, loaded.spec)
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             tokenizer = self.tokenizer or self.model
@@ -224,6 +232,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             preemption_mode=self.preemption_mode,
+            max_loras=lora.max_loras if lora is not None else 0,
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -261,9 +270,10 @@ class EngineArgs:
             draft,
             parallel.pipeline_micro_batches,
             None if cache_dir is None else cache_dir / EXECUTABLES_DIR,
+            lora,
         )
         runner.warm_up()
-        config = EngineConfig(model_config, cache, scheduler, parallel, speculative)
+        config = EngineConfig(model_config, cache, scheduler, parallel, speculative, lora)
         return _Built(runner, loaded, config, num_host_blocks, num_tier_blocks)
 
     def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:
@@ -370,77 +380,3 @@ def _block_bytes(
     models = [loaded] + ([draft] if draft is not None else [])
     per_tp = sum(memory.kv_block_bytes(m.spec, cache.block_size, itemsize, tp) for m in models)
     return per_tp // pp
-
-
-def compilation_cache(cache_dir: str | None) -> Path | None:
-    """Where compiled programs are kept between starts (see EngineArgs); None: nowhere.
-
-    JAX's persistent compilation cache is there, keeping every program however small or
-    quick (a small model's are both): it skips XLA's compile of any program compiled
-    before, under any engine configuration. One process also keeps the runner's
-    executables there (`ExecutableStore`, EXECUTABLES_DIR), which skips tracing and
-    lowering too on a start with the same configuration (not across processes of one
-    multi-host program; on CPU devices not the model forwards, which served slower loaded
-    from there). A directory the process already configured (a benchmark's) is the one
-    used."""
-    if cache_dir == "":
-        return None
-    if cache_dir is None:
-        if jax.config.jax_compilation_cache_dir:
-            return Path(jax.config.jax_compilation_cache_dir)
-        root = os.environ.get("JVLLM_CACHE") or Path.home() / ".cache" / "jvllm"
-        cache_dir = str(Path(root) / "xla")
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return Path(cache_dir)
-
-
-def _check_cpu_offload(gib: float) -> None:
-    """vLLM's cpu_offload_gb: GiB of weights per device kept in pinned host memory."""
-    if not isinstance(gib, int | float) or isinstance(gib, bool) or not 0 <= gib < 1e6:
-        raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gib!r}")
-
-
-def _resolve_backend(backend: str) -> str:
-    """'auto' is the Triton kernel on a CUDA GPU (when jax-triton is installed), the C++
-    decode kernel on a CPU (when a C++ compiler is on PATH), else the jax.numpy
-    reference; 'triton' anywhere but a CUDA GPU, or 'cpu' anywhere but a CPU, is a user
-    error."""
-    import importlib.util
-
-    from jvllm.kernels import cpu_attention
-
-    platform = jax.devices()[0].platform
-    on_cuda = platform in ("gpu", "cuda")
-    if backend == "cpu" and platform != "cpu":
-        raise ValueError(
-            f"attention_backend='cpu' needs JAX on a CPU, but it runs on {platform!r}; use 'auto'"
-        )
-    if backend == "auto":
-        if platform == "cpu":
-            return "cpu" if cpu_attention.available() else "reference"
-        if not on_cuda:
-            return "reference"
-        if importlib.util.find_spec("jax_triton") is None:
-            logger.warning("jax-triton is not installed: attention_backend='auto' uses 'reference'")
-            return "reference"
-        return "triton"
-    if backend == "triton" and not on_cuda:
-        raise ValueError(
-            f"attention_backend='triton' needs an NVIDIA GPU, but JAX runs on {platform!r}; "
-            "use 'reference' or 'auto'"
-        )
-    return backend
-
-
-def _resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
-    if requested is None:
-        return spec.max_position_embeddings
-    if requested > spec.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings="
-            f"{spec.max_position_embeddings}"
-        )
-    return requested

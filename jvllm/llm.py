@@ -19,6 +19,7 @@ from jvllm.engine.beam_search import hypothesis_score
 from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
@@ -72,8 +73,10 @@ class LLM(WeightSync):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one per prompt, with scheduling_policy="priority" (lower first)."""
+        """`priority`: one per prompt, with scheduling_policy="priority" (lower first);
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -96,7 +99,8 @@ class LLM(WeightSync):
             future.result()
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params, priority)
+        loras = _per_prompt(lora_request, len(prompts))
+        ids = self._add_all(prompts, params, priority, loras)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -106,6 +110,7 @@ class LLM(WeightSync):
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
@@ -122,7 +127,7 @@ class LLM(WeightSync):
             # The template already carries any special tokens it wants.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -164,14 +169,16 @@ class LLM(WeightSync):
         prompts: list[Prompt],
         params: Sequence[SamplingParams | BeamSearchParams],
         priority: Sequence[int] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         self._control.check_serving()  # asleep, or a weight update open: a clear error
         added: list[str] = []
         priorities = [0] * len(prompts) if priority is None else priority
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
+            for prompt, p, rank, lora in zip(prompts, params, priorities, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p, priority=rank)
+                self.engine.add_request(request_id, prompt, p, priority=rank, lora_request=lora)
                 added.append(request_id)
         except Exception:
             # All or nothing: a bad prompt leaves no half-submitted batch behind.
@@ -197,3 +204,17 @@ class LLM(WeightSync):
                         bar.set_postfix_str(f"output {rate:.1f} tok/s")
         bar.close()
         return [done[i] for i in request_ids]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of one each."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"got {len(loras)} lora_requests for {num_prompts} prompts; pass one, or one per prompt"
+        )
+    return loras

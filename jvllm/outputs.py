@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jvllm.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] | None = None  # vLLM's field; jvllm reports none per request
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
 
     def add(self, later: RequestOutput) -> None:
         """Folds a later DELTA output of the same request into this one (a reader that

@@ -65,7 +65,12 @@ class Engine(Protocol):
     structured_outputs: Any
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None,
+        lora_request: Any = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -85,6 +90,7 @@ class _Add(NamedTuple):
     done: concurrent.futures.Future[None]
     final_only: bool = False
     priority: int = 0
+    lora_request: Any = None  # a LoRARequest: the adapter it runs with
 
 
 class _Abort(NamedTuple):
@@ -142,7 +148,12 @@ class AsyncLLM:
         return self._metrics
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queues a request; raises ValueError (bad input), QueueFullError or EngineDeadError.
         `priority`: lower first, with scheduling_policy="priority"."""
@@ -165,7 +176,8 @@ class AsyncLLM:
         self._num_queued += 1
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         arrival = time.monotonic()
-        self._commands.put(_Add(request_id, prompt, params, arrival, done, final_only, priority))
+        add = _Add(request_id, prompt, params, arrival, done, final_only, priority, lora_request)
+        self._commands.put(add)
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -341,12 +353,10 @@ class AsyncLLM:
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it
             try:
+                c, lora = command, command.lora_request  # passed on only when there is one
+                lora_kwargs = {} if lora is None else {"lora_request": lora}
                 self._engine.add_request(
-                    command.request_id,
-                    command.prompt,
-                    command.params,
-                    command.arrival,
-                    priority=command.priority,
+                    c.request_id, c.prompt, c.params, c.arrival, priority=c.priority, **lora_kwargs
                 )
             except ValueError as e:  # InvalidRequestError keeps the field it names
                 command.done.set_exception(e)

@@ -29,6 +29,7 @@ import numpy as np
 from jvllm.config import EngineConfig
 from jvllm.engine.beam_search import Beam, BeamGroup, check_beam_search
 from jvllm.engine.kv.kv_cache_manager import cdiv
+from jvllm.engine.lora_slots import LoRASlots
 from jvllm.engine.metrics import EngineStats, SpecDecodeStats
 from jvllm.engine.output_processor import OutputProcessor, SampledRows, StepCommit
 from jvllm.engine.request import Request
@@ -48,6 +49,7 @@ from jvllm.engine.step_io import (
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.token_constraints import constraints_for, step_sampling
 from jvllm.engine.validation import check_priority, validate_request
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -124,6 +126,8 @@ class LLMEngine:
         self.weight_version: str | int | None = None  # finish_weight_update's
         # Thread-safe: the server compiles a request's grammar before it reaches us.
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        lora = config.lora_config
+        self.lora_slots = LoRASlots(lora, runner) if lora is not None else None
 
     # -- requests in --
 
@@ -134,19 +138,24 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validates and queues a request (a beam search with BeamSearchParams); raises
-        ValueError before it enters the engine. `priority` (scheduling_policy="priority"):
-        lower runs first."""
+        """Validates and queues a request (a beam search with BeamSearchParams), with
+        `lora_request`'s adapter when given; raises ValueError before it enters the
+        engine. `priority` (scheduling_policy="priority"): lower runs first."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
         text, ids = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
+            if lora_request is not None:
+                raise ValueError("beam search does not take a lora_request yet")
             self._add_beam_search(request_id, text, ids, params, arrival)
             return
         validate_request(text, ids, params, self.vocab_size, self.max_model_len)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         constraints = constraints_for(
             params, self.tokenizer, self.vocab_size, self.structured_outputs
         )
@@ -156,7 +165,15 @@ class LLMEngine:
         for index in range(params.n):
             child_id = f"{request_id}#{index}" if params.n > 1 else request_id
             source = group.child_ids[0] if index else None
-            request = Request(child_id, ids, params, arrival, fork_source=source, priority=priority)
+            request = Request(
+                child_id,
+                ids,
+                params,
+                arrival,
+                fork_source=source,
+                priority=priority,
+                lora_request=lora_request,
+            )
             seed = self._seed_for(params, index)
             state = SequenceState(
                 request,
@@ -171,6 +188,8 @@ class LLMEngine:
         self.output_processor.add_group(group)
         for state in group.children:
             self.scheduler.add_request(state.request)
+            if lora_request is not None and self.lora_slots is not None:
+                self.lora_slots.hold(state.request.request_id, lora_request.lora_int_id)
         self.prompt_tokens += len(ids)
 
     def _add_beam_search(
@@ -215,6 +234,25 @@ class LLMEngine:
         # Siblings of one seeded request draw distinct, reproducible streams.
         return random.Random(f"{params.seed}:{index}").getrandbits(32)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks an adapter ahead of its requests (vLLM's `add_lora`); raises
+        ValueError (`LoRAAdapterError`) naming what is wrong with it."""
+        if self.lora_slots is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off; start "
+                "the engine with enable_lora=True (--enable-lora)"
+            )
+        self.lora_slots.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter; False if it was not loaded."""
+        return self.lora_slots is not None and self.lora_slots.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded."""
+        return set(self.lora_slots.list_loras()) if self.lora_slots is not None else set()
+
     def abort_request(self, request_id: str) -> None:
         """Stops a request (all its sequences) and frees its blocks at once."""
         commit = self.output_processor.abort(request_id)
@@ -239,6 +277,8 @@ class LLMEngine:
         if sched.scheduled:
             # The rows' states, before a commit below can retire one of them.
             prepared = self._prepare(sched)
+            if self.lora_slots is not None:  # the step's adapters into the device slots
+                sched = self.lora_slots.assign_slots(sched, prepared.states)
             self.runner.forward(sched)
             if previous is not None and self.output_processor.needs_previous_tokens(
                 sched.scheduled
@@ -326,6 +366,8 @@ class LLMEngine:
         """Tells the scheduler (and the speculator) what a commit ended or continued."""
         for request_id, status in commit.finished:
             self.scheduler.finish_request(request_id, status)
+            if self.lora_slots is not None:
+                self.lora_slots.release(request_id)
             if self.speculator is not None:
                 self.speculator.forget(request_id)
         for beams in commit.continuations:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 import sys
+from typing import TYPE_CHECKING
 
 from jvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jvllm.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,7 @@ class Request:
     `beam_group` names the beam search request this one is a beam of; the beams of a
     group are scheduled, admitted and preempted together (`Scheduler`), and a beam's next
     token is chosen by its group, not by its own sample (`jvllm.engine.beam_search`).
+    `lora_request` names the LoRA adapter it runs with (None: the base model).
     """
 
     def __init__(
@@ -59,8 +64,10 @@ class Request:
         beam_group: str | None = None,
         beam_width: int = 1,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
@@ -91,6 +98,11 @@ class Request:
         # The token count that ends it by length (max_tokens outputs, or max_model_len):
         # set by the scheduler that admits it.
         self.max_num_tokens = sys.maxsize
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -285,6 +285,7 @@ class SequenceGroup:
                 [child.completion()],
                 child.finished,
                 child.request.num_cached_tokens or 0,
+                lora_request=child.request.lora_request,
             )
         finished = self.finished
         if (final_only or kind == _FINAL_ONLY) and not finished:
@@ -316,6 +317,7 @@ class SequenceGroup:
             completions,
             finished,
             first.request.num_cached_tokens or 0,
+            lora_request=first.request.lora_request,
         )
 
 

@@ -26,11 +26,14 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
 from jvllm.sampling_params import SAMPLER_CONSTANTS, SamplingParams
+
+if TYPE_CHECKING:
+    from jvllm.lora.peft_adapter import LoRAModel
 
 # The token id a row carries where the device substitutes the previous step's sample.
 PLACEHOLDER_TOKEN = 0
@@ -68,6 +71,9 @@ class SchedulerOutput:
     # Every row's block table as row `table_row` of this int32 array (zero past each
     # table's end); valid until the next schedule().
     block_tables: np.ndarray | None = None  # [max_num_seqs, max_blocks_per_seq] int32
+    # With LoRA: each row's adapter slot on the device (0: the base model), set by the
+    # engine (`engine/lora_slots.py`) once the slots hold the step's adapters.
+    lora_slots: np.ndarray | None = None  # [len(scheduled)] int32
 
 
 class SamplingRow(NamedTuple):
@@ -213,3 +219,12 @@ class StepRunner(Protocol):
 
     def sample(self, sampling: StepSampling) -> PendingResult:
         """Queues the sampler over the logits of the forward queued last."""
+
+    @property
+    def lora_module_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(layer, module) -> (in, out) features of every layer an adapter may target."""
+        ...
+
+    def set_lora(self, slot: int, model: LoRAModel | None) -> None:
+        """Writes an adapter (None: zeros) into device slot `slot` (1..max_loras),
+        queued after every step dispatched before."""

@@ -43,6 +43,9 @@ class ModelInput:
     # [L] int32: the token of each logits row: each sequence's last new token, or its
     # last 1 + k (a row verifying k draft tokens); L = S without speculative decoding.
     logits_indices: jax.Array
+    # [T] int32 with LoRA on (`BatchShape.lora`): each token's adapter slot, 0 the base
+    # model (`lora/punica.py`).
+    lora_slots: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ class BatchShape:
     num_logits: int = 0
     num_micro: int = 1
     micro_seqs: int = 0
+    lora: bool = False  # each token's LoRA slot travels too
 
     @property
     def logits_rows(self) -> int:
@@ -112,11 +116,13 @@ def pack_rows(
     shape: BatchShape,
     block_size: int,
     block_tables: np.ndarray | None = None,
+    lora_slots: np.ndarray | None = None,
 ) -> np.ndarray:
     """All int32 metadata of one step in one flat buffer, in `unpack`'s order. With
     `block_tables` (the scheduler's persistent array, `SchedulerOutput.block_tables`)
     each row's table is row `table_row` of it: one gather, not a conversion of every
-    entry of every `block_table`.
+    entry of every `block_table`. With `shape.lora`, each token's LoRA slot follows,
+    from `lora_slots` `[n]` (one per row; None: the base model's 0).
 
     Vectorised over rows: the per-step host cost matters at hundreds of sequences.
     """
@@ -174,9 +180,13 @@ def pack_rows(
     prev_index = np.full(t_pad, -1, np.int32)  # [T]: -1, or a row of the previous step
     fed_back = prev >= 0
     prev_index[firsts[fed_back]] = prev[fed_back]
-    return np.concatenate(
-        [tokens, positions, slots, qsl, seq_lens, tables.ravel(), logits_indices, prev_index]
-    )
+    parts = [tokens, positions, slots, qsl, seq_lens, tables.ravel(), logits_indices, prev_index]
+    if shape.lora:
+        token_lora = np.zeros(t_pad, np.int32)  # [T]
+        if lora_slots is not None:
+            token_lora[:total] = np.repeat(lora_slots, lens)
+        parts.append(token_lora)
+    return np.concatenate(parts)
 
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
@@ -218,7 +228,7 @@ def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -
 
 def _packed_sizes(shape: BatchShape) -> list[int]:
     t, s, w = shape.num_tokens, shape.num_seqs, shape.width
-    return [t, t, t, s + 1, s, s * w, shape.logits_rows, t]
+    return [t, t, t, s + 1, s, s * w, shape.logits_rows, t] + ([t] if shape.lora else [])
 
 
 def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> ModelInput:
@@ -226,13 +236,14 @@ def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> Mod
     tokens become the previous step's samples, `last_sampled` `[R]` int32."""
     s, w = shape.num_seqs, shape.width
     parts = jnp.split(packed, np.cumsum(_packed_sizes(shape))[:-1])
-    tokens, positions, slots, qsl, seq_lens, tables, logits_indices, prev_index = parts
+    tokens, positions, slots, qsl, seq_lens, tables, logits_indices, prev_index = parts[:8]
     tokens = jnp.where(prev_index >= 0, last_sampled[jnp.maximum(prev_index, 0)], tokens)
     return ModelInput(
         token_ids=tokens,
         positions=positions,
         attn=AttentionMetadata(slots, qsl, seq_lens, tables.reshape(s, w)),
         logits_indices=logits_indices,
+        lora_slots=parts[8] if shape.lora else None,
     )
 
 

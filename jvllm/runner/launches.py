@@ -22,6 +22,7 @@ from jvllm.parallel.step_channel import StepMessage, StepPublisher
 from jvllm.runner.block_copies import BlockCopier
 from jvllm.runner.drafter import Drafter, ProposalInputs
 from jvllm.runner.input_batch import BatchShape
+from jvllm.runner.lora_weights import DeviceLoRA
 from jvllm.runner.programs import Program
 
 # A forward's logits, hidden states, last input tokens and shape (`_run_forward`).
@@ -42,6 +43,7 @@ class Launches:
     draft_probs: jax.Array | None  # [Q, V] float32
     features: jax.Array | None  # [R, H]
     blocks: BlockCopier
+    lora: DeviceLoRA | None
     _last_forward: Forward | None
     _forward_fn: Program
     _sample_fn: Program
@@ -69,6 +71,7 @@ class Launches:
             shape=shape,
             draft_params=draft_params,
             logits_buffer=self.logits_buffer,
+            **({} if self.lora is None else {"lora_weights": self.lora.weights}),
         )
         if self.logits_buffer is not None:
             self.logits_buffer = logits

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.step_io import DraftRow, SchedulerOutput, StepSampling
 from jvllm.layers import sampler
+from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import EagleHead
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.models.medusa import MedusaHeads
@@ -65,6 +66,7 @@ from jvllm.runner.input_batch import (
     total_tokens,
 )
 from jvllm.runner.launches import Forward, Launches
+from jvllm.runner.lora_weights import DeviceLoRA, LoRARunner
 from jvllm.runner.memory import retain_freed_host_memory
 from jvllm.runner.programs import Program
 from jvllm.runner.start_up import StartUp
@@ -79,7 +81,7 @@ from jvllm.runner.step_result import PendingStep, split_by_row
 MIN_TOKEN_BUCKET = 16
 
 
-class ModelRunner(StartUp, Launches):
+class ModelRunner(StartUp, Launches, LoRARunner):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -92,6 +94,7 @@ class ModelRunner(StartUp, Launches):
         draft: LoadedModel | None = None,
         num_micro_batches: int | None = None,
         executable_dir: Path | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`num_blocks` KV blocks of `cache_config.block_size` tokens, and
         `num_host_blocks` more in host memory for swapped-out requests; the scheduler's
@@ -101,7 +104,7 @@ class ModelRunner(StartUp, Launches):
         follow the target's in `caches` (same blocks). On a mesh with pipeline stages,
         each step runs as `num_micro_batches` micro-batches (default: one per stage).
         `executable_dir`: where compiled programs are stored for the next start
-        (`ExecutableStore`; None: compile every start)."""
+        (`ExecutableStore`; None: compile every start). `lora_config`: LoRA slots."""
         self.pp = pp_size(mesh)
         if self.pp > 1 and draft is not None:
             raise ValueError(
@@ -133,6 +136,7 @@ class ModelRunner(StartUp, Launches):
             self.drafter = Drafter(draft, k, block_size)
         self.num_target_layers = loaded.spec.num_layers
         self.mesh = mesh
+        self.lora = DeviceLoRA(lora_config, loaded, mesh) if lora_config is not None else None
         self.spec = loaded.spec
         self.block_size = block_size
         self.kv_dtype = jnp.dtype(cache_config.kv_dtype(loaded.dtype))
@@ -217,6 +221,7 @@ class ModelRunner(StartUp, Launches):
             static_argnames=("shape",),
             donate_argnames=("caches", "logits_buffer"),
             fixed=(0, 1),
+            fixed_kwargs=("lora_weights",),
         )
         self._sample_fn = Program(programs.sample, "sample", store)
         self._mask_fn = Program(programs.apply_bitmask, "mask", store)
@@ -235,6 +240,7 @@ class ModelRunner(StartUp, Launches):
             self._mask_fn,
             self._all_logprobs_fn,
             *self.blocks.programs,
+            *((self.lora.write_program,) if self.lora is not None else ()),
         )
         return sum(len(fn.executables) for fn in jitted)
 
@@ -297,7 +303,8 @@ class ModelRunner(StartUp, Launches):
         t = pick_bucket(num_tokens, self.token_buckets)
         rows = min(t, self.max_num_seqs)
         logits = min(t, self.max_num_seqs * (1 + self.num_lookahead_tokens))
-        return BatchShape(t, rows, self.width, logits if self.num_lookahead_tokens else 0)
+        k = self.num_lookahead_tokens
+        return BatchShape(t, rows, self.width, logits if k else 0, lora=self.lora is not None)
 
     def sampling_rows(self, shape: BatchShape) -> int:
         """The sampler's rows for a step of `shape`: its logits rows, or `max_rows` where
@@ -315,6 +322,7 @@ class ModelRunner(StartUp, Launches):
         rows: Sequence[StepRow],
         shape: BatchShape | None = None,
         block_tables: np.ndarray | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         num_tokens = total_tokens(rows)
         if self.pp > 1:
@@ -325,7 +333,7 @@ class ModelRunner(StartUp, Launches):
             self.pipeline_load[1] += capacity
         else:
             shape = shape or self.batch_shape(num_tokens)
-            packed = pack_rows(rows, shape, self.block_size, block_tables)
+            packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots)
         self.token_slots[0] += num_tokens
         self.token_slots[1] += shape.num_tokens
         self._launch_forward(packed, shape)
@@ -344,7 +352,7 @@ class ModelRunner(StartUp, Launches):
         logits stay on the device for `sample`. Each row's block table is read from
         `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
         rows = scheduled.scheduled
-        self._run_forward(rows, block_tables=scheduled.block_tables)
+        self._run_forward(rows, None, scheduled.block_tables, scheduled.lora_slots)
         self._forward_rows = rows
 
     def sample(self, sampling: StepSampling) -> PendingStep:

@@ -155,7 +155,8 @@ class Program:
     up by the static arguments and the shapes of the arguments not in `fixed` (argument
     positions whose shapes never change over the runner's life: the weights, the KV
     cache), so a step pays for flattening only its small inputs; the executable itself
-    checks every argument against what it was compiled for. `lower` is jax.jit's."""
+    checks every argument against what it was compiled for; `fixed_kwargs` names keyword
+    arguments of that kind (the LoRA slots). `lower` is jax.jit's."""
 
     def __init__(
         self,
@@ -165,12 +166,14 @@ class Program:
         static_argnames: Sequence[str] = (),
         donate_argnames: Sequence[str] = (),
         fixed: Sequence[int] = (),
+        fixed_kwargs: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
         self.store = store
         self.static_argnames = frozenset(static_argnames)
         self.fixed = frozenset(fixed)
+        self.fixed_kwargs = frozenset(fixed_kwargs)
         self.executables: dict[Any, jax.stages.Compiled] = {}
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -180,7 +183,8 @@ class Program:
         statics = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         varying = [a for i, a in enumerate(args) if i not in self.fixed]
-        leaves, tree = jax.tree.flatten((varying, dynamic))
+        varying_kwargs = {k: v for k, v in dynamic.items() if k not in self.fixed_kwargs}
+        leaves, tree = jax.tree.flatten((varying, varying_kwargs))
         key = (statics, tree, *((getattr(x, "shape", x), getattr(x, "dtype", 0)) for x in leaves))
         executable = self.executables.get(key)
         if executable is None:

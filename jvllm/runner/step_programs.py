@@ -10,6 +10,7 @@ from the device, or when they run (`model_runner.ModelRunner`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -20,6 +21,7 @@ from jax.sharding import Mesh
 
 from jvllm.layers import sampler
 from jvllm.layers.attention import KVCache
+from jvllm.lora.punica import LoRAWeights, applying_lora
 from jvllm.models.llama import stage_forward
 from jvllm.models.loader import LoadedModel
 from jvllm.parallel.mesh import pp_size, replicated
@@ -90,11 +92,12 @@ class StepPrograms:
         shape: BatchShape,
         draft_params: Any = None,
         logits_buffer: jax.Array | None = None,
+        lora_weights: LoRAWeights | None = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         """Logits `[S, V]` (with `group_rows`: `[max_rows, V]` float32, written over
         `logits_buffer` when given, which the caller donates, else over zeros), the
         hidden states, the caches, the last input tokens and the features an EAGLE or Medusa
-        head reads."""
+        head reads. `lora_weights`: the device's LoRA slots, each token's slot in `packed`."""
         params = self.bring_in(params)
         module = self.model.module
         split = self.num_target_layers
@@ -104,9 +107,13 @@ class StepPrograms:
             )
         else:
             inp = unpack(packed, shape, last_sampled)
-            hidden, target_caches = module.apply(
-                {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
-            )
+            adapters = contextlib.nullcontext()
+            if lora_weights is not None:
+                adapters = applying_lora(lora_weights, inp.lora_slots)
+            with adapters:
+                hidden, target_caches = module.apply(
+                    {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
+                )
             token_ids, logits_indices = inp.token_ids, inp.logits_indices
         draft_caches = caches[split:]
         if self.drafter is not None:

@@ -30,6 +30,7 @@ from jvllm.engine.validation import InvalidRequestError, check_token_ids
 
 from .auth import OPEN_PATHS, APIKeyMiddleware, route_path
 from .errors import APIError, error_envelope
+from .lora import ServedLoRAs, load_lora_adapter, unload_lora_adapter
 from .messages_protocol import MESSAGES_PATHS, anthropic_error
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
@@ -122,6 +123,15 @@ def build_app(
 
         return endpoint
 
+    def bind_lora(
+        handler: Callable[[ServedLoRAs, Request, int], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            assert ctx.loras is not None
+            return await handler(ctx.loras, request, ctx.max_body_bytes)
+
+        return endpoint
+
     async def health(request: Request) -> Response:
         dead = ctx.engine.is_dead
         body = HealthResponse(status="dead" if dead else "ok").model_dump()
@@ -155,6 +165,12 @@ def build_app(
         from .dev_routes import dev_routes as training_routes
 
         routes += training_routes(ctx)
+    if ctx.loras is not None and ctx.loras.runtime_updates:
+        for path, handler in (
+            ("/v1/load_lora_adapter", load_lora_adapter),
+            ("/v1/unload_lora_adapter", unload_lora_adapter),
+        ):
+            routes.append(Route(path, bind_lora(handler), methods=["POST"]))
     middleware = [Middleware(DrainMiddleware, state=state)]
     if api_key is not None:
         middleware.insert(0, Middleware(APIKeyMiddleware, api_key=api_key))
@@ -196,6 +212,17 @@ async def list_models(ctx: ServingContext, request: Request) -> Response:
         )
         for name in ctx.served_model_names
     ]
+    for lora in ctx.loras.requests() if ctx.loras is not None else ():
+        cards.append(
+            ModelCard(
+                id=lora.lora_name,
+                created=now(),
+                owned_by="jvllm",
+                root=lora.lora_path,
+                parent=lora.base_model_name,
+                max_model_len=ctx.engine.max_model_len,
+            )
+        )
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S
 
+from .lora_args import add_lora_flags
+
 if TYPE_CHECKING:
     from .launch import ServerConfig
 
@@ -157,6 +159,7 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest accepted request body; larger ones get 413 (default: 4 MiB)",
     )
+    add_lora_flags(parser)
 
 
 def _flat(values: list[list[str]] | None) -> tuple[str, ...]:
@@ -199,5 +202,7 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         log_stats=not args.disable_log_stats,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_dev_routes=args.enable_dev_routes,
+        lora_modules=tuple(args.lora_modules or ()),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         **optional,
     )

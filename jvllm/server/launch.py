@@ -39,6 +39,8 @@ from jvllm.parallel import step_channel
 from .app import CORSPolicy, ServerState, build_app
 from .chat_template import load_chat_template
 from .dev_routes import dev_mode_enabled
+from .lora import served_loras
+from .lora_args import LoRAModulePath
 from .metrics import ServerMetrics
 from .protocol import MAX_BODY_BYTES
 from .reasoning import get_reasoning_parser
@@ -86,6 +88,8 @@ class ServerConfig:
     tool_parser_plugin: str | None = None  # a file registering more tool parsers
     reasoning_parser: str | None = None
     enable_dev_routes: bool = False  # /sleep, /pause, /update_weights ... (dev_routes.py)
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # served by name (--enable-lora)
+    allow_runtime_lora_updating: bool | None = None  # None: VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -208,6 +212,7 @@ def run_server(
     metrics.attach(async_llm.metrics)
     if liveness is not None:
         liveness.on_lost = async_llm.fail
+    loras = served_loras(engine, names[0], config.lora_modules, config.allow_runtime_lora_updating)
     ctx = ServingContext(
         async_llm,
         names,
@@ -222,6 +227,7 @@ def run_server(
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser,
+        loras=loras,
     )
     state = ServerState()
     stats = StatsLogger(async_llm.metrics, interval) if config.log_stats else None

@@ -176,6 +176,7 @@ class ModelCard(BaseModel):
     root: str
     max_model_len: int
     description: str | None = None
+    parent: str | None = None  # a LoRA adapter's: the model it adapts
 
 
 class ModelList(BaseModel):

@@ -31,10 +31,12 @@ from jvllm.engine.async_llm import (
 )
 from jvllm.engine.validation import InvalidRequestError
 from jvllm.generation_config import RequestDefaults
+from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 from .errors import APIError, from_validation_error
+from .lora import ServedLoRAs
 from .protocol import SamplingRequest
 from .responses import Usage
 from .responses_protocol import ResponseStore
@@ -74,6 +76,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: "auto" works
     reasoning_parser: str | None = None  # --reasoning-parser: thinking text apart from content
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses
+    loras: ServedLoRAs | None = None  # LoRA adapters served by name (--enable-lora)
 
     @property
     def tokenizer(self) -> Any:
@@ -83,6 +86,8 @@ class ServingContext:
         """The name to answer with; 404 for a model this server does not serve."""
         if requested is None:
             return self.served_model_names[0]
+        if self.loras is not None and self.loras.get(requested) is not None:
+            return requested
         if requested not in self.served_model_names:
             raise APIError(
                 404,
@@ -114,14 +119,20 @@ class ServingContext:
             )
         return requested
 
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a request's (checked) model name chooses; None: the base model."""
+        return self.loras.get(model) if self.loras is not None else None
+
     async def submit(
         self,
         prefix: str,
         prompts: list[Prompt],
         params: list[SamplingParams],
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Adds every prompt, or none: a failure aborts those already added."""
+        """Adds every prompt (with `lora_request`'s adapter), or none: a failure aborts
+        those already added."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -129,7 +140,9 @@ class ServingContext:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 if self.log_requests:
                     self._log_request(rid, prompt, p)
-                stream = await self.engine.add_request(rid, prompt.engine_input(), p, priority)
+                stream = await self.engine.add_request(
+                    rid, prompt.engine_input(), p, priority, lora_request
+                )
                 streams.append(stream)
         except BaseException as e:
             for stream in streams:

@@ -62,7 +62,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     chat = prepare_chat(ctx, req)
-    streams = await ctx.submit("chatcmpl", [chat.prompt], [chat.params], req.priority)
+    lora = ctx.lora_request(model)
+    streams = await ctx.submit("chatcmpl", [chat.prompt], [chat.params], req.priority, lora)
     view = _ChatView(ctx, req, model, chat)
     if req.stream:
         return EventStreamResponse(view.stream(streams[0]))

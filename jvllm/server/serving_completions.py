@@ -55,7 +55,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         )
         for p in prompts
     ]
-    streams = await ctx.submit("cmpl", prompts, params, req.priority)
+    streams = await ctx.submit("cmpl", prompts, params, req.priority, ctx.lora_request(model))
     view = _CompletionView(ctx, req, model, prompts, params)
     if req.stream:
         return EventStreamResponse(view.stream(streams))

@@ -68,7 +68,7 @@ async def create_message(ctx: ServingContext, request: Request) -> Response:
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     chat = prepare_chat(ctx, _validated(body))
-    streams = await ctx.submit("msg", [chat.prompt], [chat.params])
+    streams = await ctx.submit("msg", [chat.prompt], [chat.params], 0, ctx.lora_request(model))
     view = _MessageView(ctx, model, chat, req.stop_sequences or [])
     if req.stream:
         return EventStreamResponse(view.stream(streams[0]))

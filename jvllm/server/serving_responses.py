@@ -62,7 +62,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
         history = found[1]
     conversation = history + input_messages(req)
     chat = prepare_chat(ctx, chat_request(req, conversation))
-    streams = await ctx.submit("resp", [chat.prompt], [chat.params])
+    streams = await ctx.submit("resp", [chat.prompt], [chat.params], 0, ctx.lora_request(model))
     run = _ResponseRun(ctx, req, model, chat, conversation)
     if req.stream:
         return EventStreamResponse(run.stream(streams[0]))

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jvllm import LLM, SamplingParams
-from jvllm.engine_args import _resolve_backend
+from jvllm.engine_resolution import resolve_backend
 from jvllm.kernels import reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -147,7 +147,7 @@ def test_triton_backend_needs_a_gpu() -> None:
     from jvllm.kernels import cpu_attention
 
     # On a CPU, auto is the C++ kernel where it can be built.
-    assert _resolve_backend("auto") == ("cpu" if cpu_attention.available() else "reference")
-    assert _resolve_backend("reference") == "reference"
+    assert resolve_backend("auto") == ("cpu" if cpu_attention.available() else "reference")
+    assert resolve_backend("reference") == "reference"
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
-        _resolve_backend("triton")
+        resolve_backend("triton")

@@ -19,10 +19,16 @@ changes, so a step's tables reach the runner as one gather.
 
 from __future__ import annotations
 
-from jvllm.engine.kv.block_pool import NULL_BLOCK, ROOT_CONTENT_ID, BlockPool, CachedBlock, cdiv
+from jvllm.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock, cdiv
 from jvllm.engine.kv.block_table_array import BlockTableArray
 from jvllm.engine.kv.host_tier import HostEntry, HostPrefixTier
-from jvllm.engine.kv.prefix import EMPTY_PREFIX, ROOT_HASH, CachedPrefix, hash_block_tokens
+from jvllm.engine.kv.prefix import (
+    EMPTY_PREFIX,
+    CachedPrefix,
+    hash_block_tokens,
+    root_content_id,
+    root_hash,
+)
 from jvllm.engine.kv.swap_space import SwapSpace
 from jvllm.engine.request import Request
 
@@ -99,7 +105,7 @@ class KVCacheManager:
         block_ids: list[int] = []
         content_ids: list[int] = []
         host_hits: dict[int, HostEntry] = {}
-        parent = ROOT_CONTENT_ID
+        parent = root_content_id(request.lora_int_id)
         for index in range((request.num_tokens - 1) // self.block_size):
             tokens = tuple(self._block_tokens(request, index))
             block_hash = self._block_hash(request, index)
@@ -407,7 +413,7 @@ class KVCacheManager:
         """
         content_ids = self._content_ids.setdefault(request.request_id, [])
         for index in range(len(content_ids), min(end, request.num_tokens) // self.block_size):
-            parent = content_ids[-1] if content_ids else ROOT_CONTENT_ID
+            parent = content_ids[-1] if content_ids else root_content_id(request.lora_int_id)
             tokens = tuple(self._block_tokens(request, index))
             block_hash = self._block_hash(request, index)
             content_id = self.block_pool.register(table[index], block_hash, parent, tokens)
@@ -421,6 +427,6 @@ class KVCacheManager:
     def _block_hash(self, request: Request, index: int) -> int:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         while len(hashes) <= index:
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.lora_int_id)
             hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
         return hashes[index]

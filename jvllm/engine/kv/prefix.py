@@ -17,6 +17,19 @@ from jvllm.engine.kv.host_tier import HostEntry
 ROOT_HASH = 0
 
 
+def root_hash(lora_int_id: int) -> int:
+    """The parent hash of a sequence's first block: ROOT_HASH for the base model, one of
+    its own for each LoRA adapter (whose K/V differ for the same tokens)."""
+    return ROOT_HASH if lora_int_id == 0 else hash(("lora", lora_int_id))
+
+
+def root_content_id(lora_int_id: int) -> int:
+    """The parent content id a first block is verified against: 0 (the block pool's
+    ROOT_CONTENT_ID) for the base model, -id for adapter `id`, so that even a hash
+    collision never hands one adapter's K/V to another."""
+    return -lora_int_id
+
+
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Chained hash of one full block. It only indexes the cache: hits are verified."""
     return hash((parent_hash, tuple(token_ids)))

@@ -69,6 +69,7 @@ class Admission:
         if self._num_beams:
             unforked = sum(r.beam_width - 1 for r in self.running if is_unforked_beam(r))
         free_seats = self.scheduler_config.max_num_seqs - len(self.running) - unforked
+        adapters = self._running_adapters()
         while self.waiting and step.budget > 0:
             unit = [self.waiting.popleft()]
             while (
@@ -77,8 +78,10 @@ class Admission:
                 and (self.waiting[0].beam_group == unit[0].beam_group)
             ):
                 unit.append(self.waiting.popleft())
-            if any(r.num_output_placeholders for r in unit) or self._must_wait_for_source(
-                unit[0], step
+            if (
+                any(r.num_output_placeholders for r in unit)
+                or self._must_wait_for_source(unit[0], step)
+                or not self._adapter_fits(adapters, unit[0])
             ):
                 skipped += unit  # does not hold up the requests behind it
                 continue
@@ -87,7 +90,23 @@ class Admission:
                 self.waiting.extendleft(reversed(unit))
                 break
             free_seats -= seats
+            if unit[0].lora_int_id:
+                adapters.add(unit[0].lora_int_id)
         self.waiting.extendleft(reversed(skipped))
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters the running requests use (empty without LoRA)."""
+        if not self.scheduler_config.max_loras:
+            return set()
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _adapter_fits(self, adapters: set[int], request: Request) -> bool:
+        """Whether `request` may run beside the running requests' `adapters`: at most
+        max_loras distinct adapters run at once, so every step's fit in the device
+        slots (vLLM's rule); a request whose adapter does not fit waits."""
+        lora = request.lora_int_id
+        limit = self.scheduler_config.max_loras
+        return not lora or lora in adapters or len(adapters) < limit
 
     def _must_wait_for_source(self, request: Request, step: ScheduleStep) -> bool:
         """Whether a fork child waits for its source to compute the shared prompt; before
@@ -183,10 +202,12 @@ class Admission:
         kv = self.kv_cache_manager
         while self.swapped and step.budget > 0:
             request = self.swapped[0]
-            if request.num_output_placeholders or (
-                len(self.running) >= self.scheduler_config.max_num_seqs
+            if (
+                request.num_output_placeholders
+                or len(self.running) >= self.scheduler_config.max_num_seqs
+                or not self._adapter_fits(self._running_adapters(), request)
             ):
-                return  # its last token is still on the device, or no seat is free
+                return  # its last token is still on the device, or no seat or LoRA slot
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget
             )
