@@ -23,6 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
+from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
 from jvllm.models.packed_tensors import PackedCheckpoint
 from jvllm.models.quantization import (
@@ -99,7 +100,8 @@ def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
 
 def trace_inputs(spec: ModelSpec, dtype: jnp.dtype) -> tuple[list[KVCache], AttentionMetadata]:
     """A one-token, one-block cache and batch: enough to trace a module's parameters."""
-    cache = (jnp.zeros((2, 1, spec.num_kv_heads, spec.head_dim), dtype),) * 2
+    heads, k_dim, v_dim = spec.kv_cache_dims
+    cache = (jnp.zeros((2, 1, heads, k_dim), dtype), jnp.zeros((2, 1, heads, v_dim), dtype))
     meta = AttentionMetadata(
         slot_mapping=jnp.zeros(1, jnp.int32),
         query_start_loc=jnp.array([0, 1], jnp.int32),
@@ -138,6 +140,7 @@ def load_model(
     quantization: str | None = None,
     offload_bytes: int = 0,
     expert_parallel: bool = False,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Loads and places every parameter; on a mesh each device gets only its slices.
 
@@ -147,6 +150,7 @@ def load_model(
     weights fit in it stay in pinned host memory; the step copies them in as it runs.
     `expert_parallel` (vLLM's enable_expert_parallel): a mixture-of-experts model's
     experts are split whole over the `tp` devices instead of on their intermediate axis.
+    `max_model_len` (None: max_position_embeddings) picks LongRoPE's factors.
     """
     model_dir = Path(model_dir)
     check_quantization(quantization)
@@ -156,7 +160,10 @@ def load_model(
         config = hf_config["quantization_config"]
         scheme = checkpoint_scheme(str(model_dir), config, quantization)
     spec = dataclasses.replace(
-        spec_from_hf_config(hf_config), quantization=scheme, expert_parallel=expert_parallel
+        spec_from_hf_config(hf_config),
+        quantization=scheme,
+        expert_parallel=expert_parallel,
+        max_model_len=max_model_len,
     )
     check_experts(spec, mesh)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
@@ -173,6 +180,8 @@ def load_model(
     if mesh is not None:
         check_divisible(spec, tp)
         check_stages(spec.num_layers, pp)
+    if pp > 1 and spec.mla is not None:
+        raise ValueError(f"pipeline_parallel_size={pp} does not support {spec.architecture} yet")
     if pp > 1 and (converted or offload_bytes):
         what = "a `jvllm convert` output" if converted else "cpu_offload_gb"
         raise ValueError(
@@ -274,6 +283,8 @@ def read_params(
         index = PackedCheckpoint(index, spec.quantization, wanted)
     if spec.moe is not None:
         index = ExpertCheckpoint(index, spec)
+    if spec.architecture in FUSED_ARCHITECTURES:
+        index = FusedProjections(index, spec)
     host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
     flat: dict[tuple[str, ...], jax.Array] = {}
     used: set[str] = set()

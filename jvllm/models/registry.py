@@ -11,6 +11,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "OlmoeForCausalLM": CausalLM,
+    "Phi3ForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
