@@ -39,7 +39,7 @@ from jvllm.kernels.reference import (
     _prefill_items,
 )
 
-ITEM_BATCH = 16  # work items vectorised together per sequential step
+ITEM_BATCH = 64  # work items vectorised together per sequential step, as reference.py
 
 
 def write_latent(

@@ -165,6 +165,10 @@ def load_model(
         expert_parallel=expert_parallel,
         max_model_len=max_model_len,
     )
+    if pp_size(mesh) > 1 and spec.mla is not None:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size(mesh)} does not support {spec.architecture} yet"
+        )
     check_experts(spec, mesh)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
     if converted and quantization is not None:
@@ -180,8 +184,6 @@ def load_model(
     if mesh is not None:
         check_divisible(spec, tp)
         check_stages(spec.num_layers, pp)
-    if pp > 1 and spec.mla is not None:
-        raise ValueError(f"pipeline_parallel_size={pp} does not support {spec.architecture} yet")
     if pp > 1 and (converted or offload_bytes):
         what = "a `jvllm convert` output" if converted else "cpu_offload_gb"
         raise ValueError(
