@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jvllm.models.spec import ModelSpec, MoESpec, RopeSpec, _rope_from_config
+from jvllm.models.spec import (
+    MLA_ARCHITECTURES,
+    ModelSpec,
+    MoESpec,
+    RopeSpec,
+    _rope_from_config,
+    spec_from_hf_config,
+)
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -84,10 +91,18 @@ def _routing(cfg: dict[str, Any], arch: str) -> DeepseekRouting:
     )
 
 
-def _rope(cfg: dict[str, Any], rope_dim: int) -> RopeSpec:
+def _rope(cfg: dict[str, Any]) -> RopeSpec:
     if float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("config.json: partial_rotary_factor != 1.0 is not supported")
     return _rope_from_config(cfg, ("yarn",))
+
+
+def model_spec(cfg: dict[str, Any]) -> ModelSpec:
+    """The ModelSpec of any supported config.json: DeepSeek's read here, the rest by
+    `spec.spec_from_hf_config`."""
+    if (cfg.get("architectures") or [None])[0] in MLA_ARCHITECTURES:
+        return deepseek_spec(cfg)
+    return spec_from_hf_config(cfg)
 
 
 def deepseek_spec(cfg: dict[str, Any]) -> ModelSpec:
@@ -131,7 +146,7 @@ def deepseek_spec(cfg: dict[str, Any]) -> ModelSpec:
         num_kv_heads=1,  # one latent "head" shared by every query head
         head_dim=mla.qk_head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-        rope=_rope(cfg, mla.qk_rope_head_dim),
+        rope=_rope(cfg),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
+from jvllm.models.deepseek_spec import model_spec
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
@@ -34,7 +35,7 @@ from jvllm.models.quantization import (
 )
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
-from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
+from jvllm.models.spec import ModelSpec, hf_name
 from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
 from jvllm.parallel.mesh import check_divisible, check_stages, kv_replication, pp_size, tp_size
 
@@ -160,7 +161,7 @@ def load_model(
         config = hf_config["quantization_config"]
         scheme = checkpoint_scheme(str(model_dir), config, quantization)
     spec = dataclasses.replace(
-        spec_from_hf_config(hf_config),
+        model_spec(hf_config),
         quantization=scheme,
         expert_parallel=expert_parallel,
         max_model_len=max_model_len,

@@ -4,7 +4,7 @@ Owns the translation of Hugging Face config fields (old `rope_scaling` and new
 `rope_parameters` spellings alike) into one frozen record, and rejects options the
 model code does not implement, and the Flax parameter path -> Hugging Face tensor
 name mapping (`hf_name`). It does not read weights (see `loader.py`) and imports
-nothing from jvllm but, for DeepSeek's configs, `deepseek_spec` (which imports this).
+nothing from jvllm. DeepSeek's latent-attention configs are read by `deepseek_spec.py`.
 """
 
 from __future__ import annotations
@@ -284,9 +284,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         raise ValueError("config.json has no 'architectures' entry")
     arch = archs[0]
     if arch in MLA_ARCHITECTURES:
-        from jvllm.models.deepseek_spec import deepseek_spec
-
-        return deepseek_spec(cfg)
+        raise ValueError(f"{arch} configs are read by models.deepseek_spec.deepseek_spec")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
     heads = int(cfg["num_attention_heads"])
