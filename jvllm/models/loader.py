@@ -348,6 +348,8 @@ def _convert(array: np.ndarray | StackedExperts, dtype: jnp.dtype) -> np.ndarray
 
 def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
     unused = {n for n in unused if not n.endswith(_IGNORED_SUFFIXES)}
+    if spec.mla is not None:  # DeepSeek-V3's multi-token prediction layer (layers.61.*)
+        unused = {n for n in unused if (_layer_of_name(n) or 0) < spec.num_layers}
     if spec.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
     if unused:
@@ -355,6 +357,14 @@ def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
             f"{model_dir}: checkpoint has tensors the {spec.architecture} model does not use: "
             f"{sorted(unused)[:8]}"
         )
+
+
+def _layer_of_name(name: str) -> int | None:
+    """L of a checkpoint name `model.layers.L...`, else None."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def _flatten(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:

@@ -250,3 +250,22 @@ def test_pipeline_stages_and_unknown_router_are_refused(tmp_path, mla_checkpoint
     mesh = make_mesh(1, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 does not support Deepseek"):
         load_model(mla_checkpoints["deepseek_v2"], mesh=mesh)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path, mla_checkpoints):
+    """V3 checkpoints carry a layer past num_hidden_layers (`model.layers.61.*`, multi-
+    token prediction), which Transformers skips too; any other extra tensor is named."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "mtp"
+    shutil.copytree(mla_checkpoints["deepseek_v2"], path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.2.self_attn.kv_b_proj.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    load_model(path)
+    tensors["model.layers.1.mlp.extra.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mlp.extra.weight"):
+        load_model(path)
