@@ -193,6 +193,7 @@ class EngineArgs:
             self.quantization,
             offload,
             expert_parallel=parallel.enable_expert_parallel,
+            max_model_len=self.max_model_len,
         )
         if transposes_weights(loaded.spec, mesh, loaded.num_offloaded_layers):
             loaded = process_weights_after_loading(loaded)

@@ -26,7 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
-from jvllm.layers.rotary import apply_rotary, inverse_frequencies, rotary_cos_sin
+from jvllm.layers.rotary import (
+    apply_rotary,
+    attention_scaling,
+    inverse_frequencies,
+    rotary_cos_sin,
+)
 from jvllm.models.quantization import (
     BlockFloatWeights,
     FloatWeights,
@@ -276,7 +281,7 @@ class DecoderModel(nn.Module):
             for i in range(s.num_layers)
         ]
         self.norm = RMSNorm(s.rms_norm_eps, self.dtype)
-        self.inv_freq = inverse_frequencies(s.rope, s.head_dim)
+        self.inv_freq = inverse_frequencies(s.rope, s.head_dim, s.rope_seq_len)
 
     def __call__(
         self,
@@ -286,7 +291,8 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, list[KVCache]]:
         x = self.embed_tokens(token_ids)  # [T, H]
-        cos_sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
+        scaling = attention_scaling(self.spec.rope)  # LongRoPE's; 1 for the others
+        cos_sin = rotary_cos_sin(positions, self.inv_freq, self.dtype, scaling)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
             x, cache = layer(x, cos_sin, cache, meta)
@@ -347,7 +353,8 @@ def stage_forward(
     (dense or sparse; the loader checks it), so stage 0's layer j stands for all."""
     s = module.spec
     positions, meta = inputs
-    cos_sin = rotary_cos_sin(positions, inverse_frequencies(s.rope, s.head_dim), module.dtype)
+    inv_freq = inverse_frequencies(s.rope, s.head_dim, s.rope_seq_len)
+    cos_sin = rotary_cos_sin(positions, inv_freq, module.dtype, attention_scaling(s.rope))
     new_caches = []
     for j, (params, cache) in enumerate(zip(layer_params, caches, strict=True)):
         layer = DecoderLayer(s, module.dtype, module.backend, module.mesh, layer_index=j)

@@ -22,7 +22,9 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
+from jvllm.models.deepseek_spec import model_spec
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
+from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
 from jvllm.models.packed_tensors import PackedCheckpoint
 from jvllm.models.quantization import (
@@ -33,7 +35,7 @@ from jvllm.models.quantization import (
 )
 from jvllm.models.registry import model_class
 from jvllm.models.safetensors_index import SafetensorsIndex
-from jvllm.models.spec import ModelSpec, hf_name, spec_from_hf_config
+from jvllm.models.spec import ModelSpec, hf_name
 from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
 from jvllm.parallel.mesh import check_divisible, check_stages, kv_replication, pp_size, tp_size
 
@@ -99,7 +101,8 @@ def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
 
 def trace_inputs(spec: ModelSpec, dtype: jnp.dtype) -> tuple[list[KVCache], AttentionMetadata]:
     """A one-token, one-block cache and batch: enough to trace a module's parameters."""
-    cache = (jnp.zeros((2, 1, spec.num_kv_heads, spec.head_dim), dtype),) * 2
+    heads, k_dim, v_dim = spec.kv_cache_dims
+    cache = (jnp.zeros((2, 1, heads, k_dim), dtype), jnp.zeros((2, 1, heads, v_dim), dtype))
     meta = AttentionMetadata(
         slot_mapping=jnp.zeros(1, jnp.int32),
         query_start_loc=jnp.array([0, 1], jnp.int32),
@@ -138,6 +141,7 @@ def load_model(
     quantization: str | None = None,
     offload_bytes: int = 0,
     expert_parallel: bool = False,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Loads and places every parameter; on a mesh each device gets only its slices.
 
@@ -147,6 +151,7 @@ def load_model(
     weights fit in it stay in pinned host memory; the step copies them in as it runs.
     `expert_parallel` (vLLM's enable_expert_parallel): a mixture-of-experts model's
     experts are split whole over the `tp` devices instead of on their intermediate axis.
+    `max_model_len` (None: max_position_embeddings) picks LongRoPE's factors.
     """
     model_dir = Path(model_dir)
     check_quantization(quantization)
@@ -156,8 +161,15 @@ def load_model(
         config = hf_config["quantization_config"]
         scheme = checkpoint_scheme(str(model_dir), config, quantization)
     spec = dataclasses.replace(
-        spec_from_hf_config(hf_config), quantization=scheme, expert_parallel=expert_parallel
+        model_spec(hf_config),
+        quantization=scheme,
+        expert_parallel=expert_parallel,
+        max_model_len=max_model_len,
     )
+    if pp_size(mesh) > 1 and spec.mla is not None:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size(mesh)} does not support {spec.architecture} yet"
+        )
     check_experts(spec, mesh)
     converted = orbax_checkpoint.is_orbax_checkpoint(model_dir)
     if converted and quantization is not None:
@@ -274,6 +286,8 @@ def read_params(
         index = PackedCheckpoint(index, spec.quantization, wanted)
     if spec.moe is not None:
         index = ExpertCheckpoint(index, spec)
+    if spec.architecture in FUSED_ARCHITECTURES:
+        index = FusedProjections(index, spec)
     host = SingleDeviceSharding(jax.local_devices()[0], memory_kind=HOST_MEMORY)
     flat: dict[tuple[str, ...], jax.Array] = {}
     used: set[str] = set()
@@ -334,6 +348,8 @@ def _convert(array: np.ndarray | StackedExperts, dtype: jnp.dtype) -> np.ndarray
 
 def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
     unused = {n for n in unused if not n.endswith(_IGNORED_SUFFIXES)}
+    if spec.mla is not None:  # DeepSeek-V3's multi-token prediction layer (layers.61.*)
+        unused = {n for n in unused if (_layer_of_name(n) or 0) < spec.num_layers}
     if spec.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
     if unused:
@@ -341,6 +357,14 @@ def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
             f"{model_dir}: checkpoint has tensors the {spec.architecture} model does not use: "
             f"{sorted(unused)[:8]}"
         )
+
+
+def _layer_of_name(name: str) -> int | None:
+    """L of a checkpoint name `model.layers.L...`, else None."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def _flatten(tree: Params, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:

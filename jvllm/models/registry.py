@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import flax.linen as nn
 
+from jvllm.models.deepseek import DeepseekForCausalLM
 from jvllm.models.llama import CausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "OlmoeForCausalLM": CausalLM,
+    "Phi3ForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,

@@ -4,7 +4,7 @@ Owns the translation of Hugging Face config fields (old `rope_scaling` and new
 `rope_parameters` spellings alike) into one frozen record, and rejects options the
 model code does not implement, and the Flax parameter path -> Hugging Face tensor
 name mapping (`hf_name`). It does not read weights (see `loader.py`) and imports
-nothing from jvllm.
+nothing from jvllm. DeepSeek's latent-attention configs are read by `deepseek_spec.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 # Rope types `rope_from_config` reads and `jvllm.layers.rotary` computes.
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
-# Rope types the model classes apply (dynamic and longrope need per-row lengths, yarn
-# and longrope a cos/sin scaling that they do not pass yet).
+# Rope types every model class applies; Phi-3 also applies longrope (its factors chosen
+# by `ModelSpec.rope_seq_len`) and DeepSeek yarn. Dynamic NTK needs per-row lengths.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -23,6 +23,8 @@ MOE_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# Architectures with multi-head latent attention, read by `models.deepseek_spec`.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,12 @@ class ModelSpec:
     # Float linear and lm_head weights held `[in, out]`, the layout XLA:CPU's matmuls
     # read fastest; set after loading by `models.weight_layout`, never by a checkpoint.
     transposed_weights: bool = False
+    # Multi-head latent attention (a `models.deepseek_spec.MLASpec`; DeepSeek-V2/V3).
+    mla: Any = None
+    # The longest sequence the engine serves (its max_model_len; None: the model's
+    # max_position_embeddings). LongRoPE picks its long factors when it exceeds
+    # original_max_position_embeddings, as vLLM does; set at load, never by a checkpoint.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -156,6 +164,25 @@ class ModelSpec:
             mlp += sparse * (per_sparse - 3 * h * self.intermediate_size)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + 2 * h) + mlp + embed + h
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, K width, V width) of one token in one layer's cache. Latent attention
+        caches one shared head: the compressed latent in K, the rope key in V."""
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def kv_cache_split(self) -> bool:
+        """Whether the cache splits over `tp` on its head axis (a latent cache, one
+        head that every device's query heads read, is replicated instead)."""
+        return self.mla is None
+
+    @property
+    def rope_seq_len(self) -> int:
+        """The sequence length the rope's frequencies are chosen for (LongRoPE)."""
+        return self.max_model_len or self.max_position_embeddings
 
     def is_sparse_layer(self, index: int) -> bool:
         return self.moe is not None and index in self.moe.sparse_layers
@@ -227,9 +254,11 @@ def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None) -> Rope
     )
 
 
-def _rope_from_config(cfg: dict[str, Any]) -> RopeSpec:
+def _rope_from_config(cfg: dict[str, Any], also: tuple[str, ...] = ()) -> RopeSpec:
+    """The rope of a config, refused unless the model classes apply its type (the
+    SUPPORTED_ROPE_TYPES, and `also` for this architecture)."""
     rope = rope_from_config(cfg)
-    if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope.rope_type not in SUPPORTED_ROPE_TYPES + also:
         raise ValueError(
             f"config.json: rope scaling type {rope.rope_type!r} is not supported by the "
             f"model classes yet; supported types are {SUPPORTED_ROPE_TYPES}"
@@ -254,6 +283,8 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     if not archs:
         raise ValueError("config.json has no 'architectures' entry")
     arch = archs[0]
+    if arch in MLA_ARCHITECTURES:
+        raise ValueError(f"{arch} configs are read by models.deepseek_spec.deepseek_spec")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
     heads = int(cfg["num_attention_heads"])
@@ -261,7 +292,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     sliding_window = None
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         sliding_window = cfg.get("sliding_window")
     elif arch.startswith(("Qwen2", "Qwen3")):
         _check_full_attention(cfg, arch)
@@ -281,7 +312,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         num_kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
         head_dim=int(_get(cfg, "head_dim", hidden // heads)),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        rope=_rope_from_config(cfg),
+        rope=_rope_from_config(cfg, ("longrope",) if arch == "Phi3ForCausalLM" else ()),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,

@@ -160,7 +160,8 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
         if getattr(spec, "expert_parallel", False):
             return P(AXIS, None, None)
         return P(None, None, AXIS) if name.endswith(".down_proj") else P(None, AXIS, None)
-    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    # q_b_proj, kv_b_proj: latent attention's per-head up-projections.
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
     # A packed layer's weight_g_idx [in] names each input's group: it follows the inputs.
     g_idx = name.endswith(".weight_g_idx")
     if leaf in column:
@@ -178,10 +179,13 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
     return P()  # norms
 
 
-def cache_sharding(mesh: Mesh | None) -> NamedSharding | None:
-    """One KV layer's sharding: heads on `tp`; with stages, a leading `pp` axis."""
+def cache_sharding(mesh: Mesh | None, split_heads: bool = True) -> NamedSharding | None:
+    """One KV layer's sharding: heads on `tp` (replicated unless `split_heads`: a latent
+    cache's one shared head); with stages, a leading `pp` axis."""
     if mesh is None:
         return None
+    if not split_heads:
+        return NamedSharding(mesh, P(PP_AXIS) if pp_size(mesh) > 1 else P())
     if pp_size(mesh) == 1:
         return NamedSharding(mesh, CACHE)
     # Spelled as a program returns it: a size-1 tp axis is dropped from the spec.

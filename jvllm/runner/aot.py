@@ -163,10 +163,14 @@ class CompileOnlyRunner(ModelRunner):
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         s = self.spec
-        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        sharding = cache_sharding(self.mesh) or SingleDeviceSharding(self.device)
-        sds = jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=sharding)
-        return [(sds, sds) for _ in range(s.num_layers)]
+        heads, k_dim, v_dim = s.kv_cache_dims
+        shape = (num_blocks, self.block_size, heads)
+        sharding = cache_sharding(self.mesh, s.kv_cache_split) or SingleDeviceSharding(self.device)
+        k, v = (
+            jax.ShapeDtypeStruct((*shape, d), self.kv_dtype, sharding=sharding)
+            for d in (k_dim, v_dim)
+        )
+        return [(k, v) for _ in range(s.num_layers)]
 
     def _put(self, tree: Any) -> Any:
         return tree  # host arrays stay numpy until a program call places them (to_target)

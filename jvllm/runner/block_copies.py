@@ -30,11 +30,12 @@ class BlockCopier:
         pp: int,
         store: ExecutableStore | None,
         put: Callable[[Any], Any],
-        host_shapes: Sequence[tuple[int, ...]],
+        host_shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         kv_dtype: np.dtype,
     ) -> None:
         """`put` places host arrays for a program (the runner's, mesh-aware);
-        `host_shapes`, one per KV layer, size the host pool (empty: no swapping)."""
+        `host_shapes`, K's and V's of each KV layer, size the host pool (empty: no
+        swapping)."""
         self.pp = pp
         self._put = put
         donate = ("caches",)
@@ -47,7 +48,7 @@ class BlockCopier:
         # padding rows of a swap-in copy it into the null block. np.zeros maps pages on
         # first touch: the pool costs nothing until swaps fill it.
         self.host_caches: HostCache = [
-            (np.zeros(shape, kv_dtype), np.zeros(shape, kv_dtype)) for shape in host_shapes
+            (np.zeros(k, kv_dtype), np.zeros(v, kv_dtype)) for k, v in host_shapes
         ]
         # Swap-outs dispatched but not yet written into host_caches: (host ids, blocks).
         self._pending_swap_out: list[tuple[np.ndarray, list[KVCache]]] = []

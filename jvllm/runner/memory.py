@@ -40,10 +40,13 @@ class KVCacheSize(NamedTuple):
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, itemsize: int, tp: int) -> int:
-    """Bytes of one block on one device; each of the `tp` devices holds its KV heads only.
+    """Bytes of one block on one device; each of the `tp` devices holds its KV heads only
+    (a latent-attention cache, one shared head, is whole on every device).
 
     `spec` is the model as built (KV heads already replicated up to `tp` where fewer)."""
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize // tp
+    heads, k_dim, v_dim = spec.kv_cache_dims
+    split = tp if spec.kv_cache_split else 1
+    return spec.num_layers * block_size * heads * (k_dim + v_dim) * itemsize // split
 
 
 def activation_reserve(max_num_batched_tokens: int, vocab_size: int) -> int:

@@ -92,25 +92,28 @@ class StartUp:
         )
         return ExecutableStore(directory, scope_digest(configuration))
 
-    def _layer_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
-        """Each KV layer's K (and V) shape: the target's layers, then the draft's. With
-        pipeline stages, a stage's j-th layer and every other stage's are one array."""
+    def _layer_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each KV layer's K and V shapes (`ModelSpec.kv_cache_dims`): the target's layers,
+        then the draft's. With pipeline stages, a stage's j-th layer and every other
+        stage's are one array."""
         if self.pp > 1:
-            shape = (self.pp, num_blocks, self.block_size, self.spec.num_kv_heads)
-            return [(*shape, self.spec.head_dim)] * (self.spec.num_layers // self.pp)
+            heads, k_dim, v_dim = self.spec.kv_cache_dims
+            shape = (self.pp, num_blocks, self.block_size, heads)
+            return [((*shape, k_dim), (*shape, v_dim))] * (self.spec.num_layers // self.pp)
         specs = [self.spec] + ([self.drafter.model.spec] if self.drafter is not None else [])
-        return [
-            (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-            for s in specs
-            for _ in range(s.num_layers)
-        ]
+        shapes = []
+        for s in specs:
+            heads, k_dim, v_dim = s.kv_cache_dims
+            shape = (num_blocks, self.block_size, heads)
+            shapes += [((*shape, k_dim), (*shape, v_dim))] * s.num_layers
+        return shapes
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         # KV heads split across the mesh; on one device, see _device_array.
-        sharding = cache_sharding(self.mesh) or self._device_memory()
+        sharding = cache_sharding(self.mesh, self.spec.kv_cache_split) or self._device_memory()
         # Zeroed, not empty: masked slots must never hold NaN (0 * NaN = NaN).
         zeros = lambda shape: jnp.zeros(shape, self.kv_dtype, device=sharding)
-        return [(zeros(shape), zeros(shape)) for shape in self._layer_shapes(num_blocks)]
+        return [(zeros(k), zeros(v)) for k, v in self._layer_shapes(num_blocks)]
 
     def _warm_up_sampling(self, forward: Forward) -> None:
         """Compiles and runs the sampler, bitmask and prompt-logprob programs of one

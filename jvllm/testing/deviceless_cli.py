@@ -44,6 +44,7 @@ from jvllm.testing.deviceless import (
     model_on,
 )
 from jvllm.testing.deviceless_attention import BAD_LAUNCHES, check_attention, check_bad_launch
+from jvllm.testing.deviceless_mla import check_mla_stack
 from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
 
 
@@ -57,7 +58,8 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
     return {d.name: spec_from_hf_config(read_config(d)) for d in dirs}
 
 
-SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe")
+# "mla" (DeepSeek-V3-shaped, about 2 minutes on two cores) is not in CI's sections yet.
+SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla")
 
 # Attention of other models' shapes, the Triton kernel alone at their per-layer options:
 # (query heads, KV heads, head dim) and the options of their layers.
@@ -122,6 +124,8 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
     if "moe" in sections:  # Qwen3-30B-A3B-shaped: 4 layers, 128 experts, top-8
         report["moe"] = check_moe_stack(target)
         report["moe"]["expert_parallel"] = check_moe_expert_parallel(target)
+    if "mla" in sections:  # DeepSeek-V3-shaped: latent attention, 256 experts in groups
+        report["mla"] = check_mla_stack(target)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
