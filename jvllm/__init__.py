@@ -17,6 +17,12 @@ from jvllm.sampling_params import (
 )
 
 __version__ = "0.1.0"
+_POOLING_OUTPUTS = (
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
+)
 __all__ = [
     "LLM",
     "SamplingParams",
@@ -27,6 +33,8 @@ __all__ = [
     "CompletionOutput",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "PoolingParams",
+    *_POOLING_OUTPUTS,
     "__version__",
 ]
 
@@ -36,6 +44,8 @@ _LAZY = {
     "CompletionOutput": "jvllm.outputs",
     "BeamSearchOutput": "jvllm.beam_search",
     "BeamSearchSequence": "jvllm.beam_search",
+    "PoolingParams": "jvllm.pooling.params",
+    **dict.fromkeys(_POOLING_OUTPUTS, "jvllm.pooling.outputs"),
 }
 
 

@@ -1,4 +1,5 @@
-"""LLM: the offline API, `generate`, `chat` and `beam_search` over a batch of prompts.
+"""LLM: the offline API, `generate`, `chat` and `beam_search` over a batch of prompts
+(a pooling model's `embed`, `classify`, `score`, `encode`: `jvllm.pooling.offline`).
 
 Owns turning a user's batch into engine requests and collecting the finished
 outputs in input order, with a progress bar. Everything else is LLMEngine's.
@@ -20,13 +21,14 @@ from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.outputs import RequestOutput
+from jvllm.pooling.offline import PoolingMixin
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | dict[str, Any]
 
 
-class LLM:
+class LLM(PoolingMixin):
     """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
     vLLM arguments that have no effect here (`jvllm.compat`, each logged once). Without
     a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults."""
