@@ -184,6 +184,7 @@ class AsyncLLM:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.supported_tasks = getattr(engine, "supported_tasks", ("generate",))
         self.max_queued_requests = max_queued_requests
         self._observer = observer
         self._on_dead = on_dead
@@ -414,7 +415,8 @@ class AsyncLLM:
         if not timing.scheduled:
             timing.scheduled = True
             observe(QUEUE_TIME, step_start - timing.arrival)
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        completions = output.outputs if isinstance(output.outputs, list) else ()  # pooling: none
+        num_tokens = sum(len(c.token_ids) for c in completions)
         if timing.delta:
             num_tokens += timing.num_tokens  # a delta's tokens come on top of earlier ones
         if num_tokens > timing.num_tokens:

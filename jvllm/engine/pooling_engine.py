@@ -99,7 +99,9 @@ class PoolingEngine:
         params = params if params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError(
-                f"a pooling model takes PoolingParams, got {type(params).__name__}", "params"
+                f"this pooling model (runner='pooling') serves {list(self.supported_tasks)}, "
+                f"not generation: it takes PoolingParams, not {type(params).__name__}",
+                "model",
             )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

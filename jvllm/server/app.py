@@ -43,6 +43,7 @@ from .responses import (
 from .serving import ServingContext, engine_error, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
+from .serving_pooling import POOLING_ROUTES
 from .stats_logger import StatsLogger
 
 logger = logging.getLogger("jvllm.server")
@@ -141,6 +142,7 @@ def build_app(
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        *(Route(path, bind(handler), methods=["POST"]) for path, handler in POOLING_ROUTES),
     ]
     middleware = [Middleware(DrainMiddleware, state=state)]
     if api_key is not None:

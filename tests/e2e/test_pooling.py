@@ -2,13 +2,11 @@
 Transformers' own models and sentence-transformers on the same directories: a Qwen3
 decoder converted to an embedder (last-token and mean pooling, chunked prompts,
 Matryoshka dimensions, truncation), Qwen3ForSequenceClassification (3 labels) and
-LlamaForSequenceClassification (1 label: a cross-encoder's scores). Every norm weight
-is perturbed away from its init constant of 1, so a pooler that skipped the final norm
-would fail."""
+LlamaForSequenceClassification (1 label: a cross-encoder's scores), every norm weight
+perturbed (`jvllm.testing.pooling_checkpoints`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,11 @@ import torch
 
 from jvllm import LLM, PoolingParams
 from jvllm.pooling.offline import pair_token_ids
+from jvllm.testing.pooling_checkpoints import (
+    make_classifier,
+    make_embedder,
+    write_sentence_transformers,
+)
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -29,58 +32,10 @@ TEXTS = [
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
 
 
-def perturb_norms(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-
-
-def write_sentence_transformers(path: Path, hidden: int, mode: str) -> None:
-    """A sentence-transformers layout: Transformer, Pooling(`mode`), Normalize."""
-    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
-    modules = [
-        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{kind}"}
-        for i, (p, kind) in enumerate(kinds)
-    ]
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir()
-    (path / "2_Normalize").mkdir()
-    pooling = {"word_embedding_dimension": hidden, f"pooling_mode_{mode}": True}
-    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
-
-
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory, tokenizer_dir) -> Path:
-    """A Qwen3 causal LM with a last-token sentence-transformers layout and Matryoshka sizes."""
-    from transformers import AutoModelForCausalLM
-
-    from jvllm.testing import make_checkpoint
-
-    path = make_checkpoint("qwen3", tmp_path_factory.mktemp("embed") / "m", tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    perturb_norms(model, 1)
-    model.config.matryoshka_dimensions = [16, 32, 64]
-    model.save_pretrained(path)
-    write_sentence_transformers(path, model.config.hidden_size, "lasttoken")
-    return path
-
-
-def make_classifier(root: Path, tokenizer_dir: Path, arch: str, num_labels: int) -> Path:
-    from transformers import AutoModelForSequenceClassification
-
-    from jvllm.testing.checkpoints import _config, copy_tokenizer, tokenizer_special_ids
-
-    vocab, special = tokenizer_special_ids(tokenizer_dir)
-    config = _config(arch, vocab, special, {"num_labels": num_labels})
-    torch.manual_seed(2)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
-    perturb_norms(model, 3)
-    model.save_pretrained(root)
-    copy_tokenizer(tokenizer_dir, root)
-    return root
+    """A Qwen3 causal LM with a last-token sentence-transformers layout."""
+    return make_embedder(tmp_path_factory.mktemp("embed") / "m", tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
