@@ -86,6 +86,10 @@ _HELP = {
     "num_speculative_tokens": "draft tokens per step (with --speculative-model)",
     "ngram_prompt_lookup_max": "longest suffix n-gram to look up (with --speculative-model)",
     "ngram_prompt_lookup_min": "shortest suffix n-gram to look up (with --speculative-model)",
+    "runner": "auto | generate | pooling (embeddings, classification, scores: docs/pooling.md)",
+    "convert": "auto | embed | classify: the pooling task of a --runner pooling model",
+    "pooler_config": 'a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+    '"use_activation": true, "dimensions": null}',
 }
 
 
@@ -99,6 +103,7 @@ _GROUPS = {
     "attention_backend": "ModelConfig",
     "generation_config": "ModelConfig",
     "max_logprobs": "ModelConfig",
+    **dict.fromkeys(("runner", "convert", "pooler_config"), "ModelConfig"),
     "block_size": "CacheConfig",
     "gpu_memory_utilization": "CacheConfig",
     "num_gpu_blocks_override": "CacheConfig",

@@ -10,7 +10,6 @@ are `EngineArgs._build`'s, shared with generation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ __all__ = ["PoolingEngine", "create_pooling_engine", "pooling_task", "runner_cla
 logger = logging.getLogger("jvllm")
 
 
-@functools.lru_cache(maxsize=16)
 def _task(model: str, runner: str, convert: str) -> str | None:
     try:
         hf_config = read_config(model)
