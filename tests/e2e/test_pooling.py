@@ -96,6 +96,7 @@ def test_matryoshka_dimensions_and_truncation(llm, embedder):
     cut = llm.embed([long_text], truncate_prompt_tokens=5, use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-5:]
     assert cos(cut.outputs.embedding, hf_hidden(embedder, ids[-5:])[-1]) >= 0.9999
+    assert llm.get_metrics()["prefix_cache_hits"] > 0  # LAST pooling keeps prefix caching
     raw = llm.encode([long_text], PoolingParams(use_activation=False), use_tqdm=False)[0]
     np.testing.assert_allclose(raw.outputs.data, hf_hidden(embedder, ids)[-1], rtol=1e-4, atol=1e-4)
 
@@ -117,17 +118,20 @@ def test_mean_pooling_from_the_sentence_transformers_layout(embedder, tmp_path):
     mean_dir = tmp_path / "mean"
     mean_dir.mkdir()
     for f in embedder.iterdir():
-        if f.is_file() and f.name != "modules.json":
+        if f.is_file() and f.name not in ("modules.json", "sentence_bert_config.json"):
             (mean_dir / f.name).symlink_to(f)
     write_sentence_transformers(mean_dir, 64, "mean_tokens")
     llm = LLM(str(mean_dir), runner="pooling", convert="embed", **ENGINE)
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(mean_dir), device="cpu")
-    for out, text in zip(llm.embed(TEXTS[:3], use_tqdm=False), TEXTS, strict=False):
+    texts = [*TEXTS[:3], TEXTS[2] + " and back home again"]  # two long prompts, chunked
+    for out, text in zip(llm.embed(texts, use_tqdm=False), texts, strict=True):
         hidden = hf_hidden(embedder, out.prompt_token_ids).mean(axis=0)
         assert cos(out.outputs.embedding, hidden) >= 0.9999
         assert cos(out.outputs.embedding, st.encode([text], batch_size=1)[0]) >= 0.9999
+    # MEAN reads every prompt token's row, which a prefix-cache hit would skip.
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching
 
 
 def hf_logits(path: Path, ids: list[int]) -> np.ndarray:
