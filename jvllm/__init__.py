@@ -17,6 +17,12 @@ from jvllm.sampling_params import (
 )
 
 __version__ = "0.1.0"
+_POOLING_OUTPUTS = (
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
+)
 __all__ = [
     "LLM",
     "SamplingParams",
@@ -28,6 +34,8 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchSequence",
     "LoRARequest",
+    "PoolingParams",
+    *_POOLING_OUTPUTS,
     "__version__",
 ]
 
@@ -38,6 +46,8 @@ _LAZY = {
     "BeamSearchOutput": "jvllm.beam_search",
     "BeamSearchSequence": "jvllm.beam_search",
     "LoRARequest": "jvllm.lora.request",
+    "PoolingParams": "jvllm.pooling.params",
+    **dict.fromkeys(_POOLING_OUTPUTS, "jvllm.pooling.outputs"),
 }
 
 

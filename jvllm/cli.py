@@ -96,6 +96,10 @@ _HELP = {
     "max_cpu_loras": "adapters kept read in host memory (default: --max-loras)",
     "lora_dtype": "the adapters' dtype on the devices: auto (the model's), float32, "
     "bfloat16, float16",
+    "runner": "auto | generate | pooling (embeddings, classification, scores: docs/pooling.md)",
+    "convert": "auto | embed | classify: the pooling task of a --runner pooling model",
+    "pooler_config": 'a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+    '"use_activation": true, "dimensions": null}',
 }
 
 
@@ -109,6 +113,7 @@ _GROUPS = {
     "attention_backend": "ModelConfig",
     "generation_config": "ModelConfig",
     "max_logprobs": "ModelConfig",
+    **dict.fromkeys(("runner", "convert", "pooler_config"), "ModelConfig"),
     "block_size": "CacheConfig",
     "gpu_memory_utilization": "CacheConfig",
     "num_gpu_blocks_override": "CacheConfig",

@@ -42,6 +42,7 @@ from jvllm.parallel import step_channel
 from jvllm.parallel.distributed import distributed_config
 from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
+from jvllm.pooling.factory import PoolingEngine, create_pooling_engine, pooling_task, runner_class
 from jvllm.runner import memory, xla_allocator
 from jvllm.runner.kv_sizing import device_kv_blocks
 from jvllm.runner.model_runner import ModelRunner
@@ -110,6 +111,11 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # Pooling models (vLLM's names; jvllm.pooling): runner "auto" | "generate" | "pooling",
+    # convert "auto" | "embed" | "classify", pooler_config {"pooling_type": "LAST", ...}.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -133,7 +139,9 @@ class EngineArgs:
         value = self.speculative_config if self.speculative_config is not None else old
         return SpeculativeConfig.from_dict(value) if value else None
 
-    def create_engine(self) -> LLMEngine:
+    def create_engine(self) -> LLMEngine | PoolingEngine:
+        if pooling_task(self) is not None:
+            return create_pooling_engine(self)
         # The tokenizer loads (Transformers imports torch: seconds) while the runner warms
         # up: warm-up runs in XLA and leaves the interpreter free.
         with ThreadPoolExecutor(1, thread_name_prefix="jvllm-tokenizer") as pool:
@@ -260,7 +268,7 @@ class EngineArgs:
                 client, dist.process_id, dist.num_processes, fingerprint, num_blocks
             )
             step_channel.start_liveness(dist.process_id, dist.num_processes)
-        runner = ModelRunner(
+        runner = runner_class(self)(
             loaded,
             num_blocks,
             cache,

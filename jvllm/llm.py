@@ -1,4 +1,5 @@
-"""LLM: the offline API, `generate`, `chat` and `beam_search` over a batch of prompts.
+"""LLM: the offline API, `generate`, `chat` and `beam_search` over a batch of prompts
+(a pooling model's `embed`, `classify`, `score`, `encode`: `jvllm.pooling.offline`).
 
 Owns turning a user's batch into engine requests and collecting the finished
 outputs in input order, with a progress bar. Everything else is LLMEngine's.
@@ -21,6 +22,7 @@ from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
+from jvllm.pooling.offline import PoolingMixin
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 from jvllm.weight_sync import WeightSync, engine_devices
@@ -28,7 +30,7 @@ from jvllm.weight_sync import WeightSync, engine_devices
 Prompt = str | dict[str, Any]
 
 
-class LLM(WeightSync):
+class LLM(WeightSync, PoolingMixin):
     """`LLM(model="path/to/hf_dir", ...)`; keyword arguments are `EngineArgs` fields, or
     vLLM arguments that have no effect here (`jvllm.compat`, each logged once). Without
     a model, the demo model built into jvllm (`jvllm.demo`) with its engine defaults.

@@ -119,6 +119,7 @@ class AsyncLLM:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.supported_tasks = getattr(engine, "supported_tasks", ("generate",))
         self.max_queued_requests = max_queued_requests
         self._observer: LatencyObserver = observer or NoObserver()
         self._on_dead = on_dead

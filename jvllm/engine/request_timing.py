@@ -68,7 +68,8 @@ class RequestTiming:
         if self.scheduled_at is None:
             self.scheduled_at = step_start
             observer.observe(QUEUE_TIME, step_start - self.arrival)
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        completions = output.outputs if isinstance(output.outputs, list) else ()  # pooling: none
+        num_tokens = sum(len(c.token_ids) for c in completions)
         if self.delta:
             num_tokens += self.num_tokens  # a delta's tokens come on top of earlier ones
         if num_tokens > self.num_tokens:
@@ -89,7 +90,9 @@ class RequestTiming:
         return self._stats("abort", 0, now)
 
     def _finished_stats(self, output: RequestOutput, now: float) -> FinishedRequestStats:
-        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+        completions = output.outputs if isinstance(output.outputs, list) else ()
+        reasons = [c.finish_reason for c in completions if c.finish_reason]
+        reasons = reasons or ([] if completions else ["stop"])  # a pooling request: done
         reason = reasons[0] if reasons else "abort"
         return self._stats(reason, len(output.prompt_token_ids or ()), now)
 

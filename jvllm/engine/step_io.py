@@ -228,3 +228,36 @@ class StepRunner(Protocol):
     def set_lora(self, slot: int, model: LoRAModel | None) -> None:
         """Writes an adapter (None: zeros) into device slot `slot` (1..max_loras),
         queued after every step dispatched before."""
+
+
+class PooledRows(NamedTuple):
+    """Host copies of a pooling step's outputs, per scheduled row over its new tokens:
+    the output rows (hidden states, or a classifier's logits) of its first token, their
+    sum and its last token's. The engine folds a chunked prompt's steps together."""
+
+    first: np.ndarray  # [S, D] float32
+    total: np.ndarray  # [S, D] float32
+    last: np.ndarray  # [S, D] float32
+
+
+class PendingPooling(Protocol):
+    """A queued pooling step; `result()` waits for the device and copies its rows out."""
+
+    def result(self) -> PooledRows: ...
+
+
+class PoolingStepRunner(Protocol):
+    """What the pooling engine needs from the device side (`PoolingRunner`)."""
+
+    @property
+    def num_compilations(self) -> int: ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def pool(self, scheduled: SchedulerOutput) -> PendingPooling:
+        """Queues the model over the step's rows (their K/V written for later chunks)
+        and the per-row reductions of its outputs; returns without waiting."""

@@ -313,7 +313,9 @@ class CausalLM(nn.Module):
 
     def setup(self) -> None:
         self.model = DecoderModel(self.spec, self.dtype, self.backend, self.mesh)
-        if not self.spec.tie_word_embeddings:
+        if self.spec.num_labels:  # a sequence classifier: `score.weight` [L, H], no lm_head
+            self.score = Linear(self.spec.num_labels, False, self.dtype)
+        elif not self.spec.tie_word_embeddings:
             self.lm_head = LMHead(
                 self.spec.vocab_size, self.dtype, self.mesh, self.spec.transposed_weights
             )
@@ -334,7 +336,9 @@ class CausalLM(nn.Module):
     def final_norm(self, x: jax.Array) -> jax.Array:
         return self.model.norm(x)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] float32
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [R, H] -> [R, V] (or [R, L]) float32
+        if self.spec.num_labels:
+            return self.score(hidden).astype(jnp.float32)
         if self.spec.tie_word_embeddings:
             return vocab_projection(hidden, self.model.embedding(), self.mesh)
         return self.lm_head(hidden)

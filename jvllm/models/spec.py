@@ -142,6 +142,8 @@ class ModelSpec:
     # max_position_embeddings). LongRoPE picks its long factors when it exceeds
     # original_max_position_embeddings, as vLLM does; set at load, never by a checkpoint.
     max_model_len: int | None = None
+    # A *ForSequenceClassification checkpoint: its `score` head's rows (0: a causal LM).
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -277,12 +279,18 @@ def _check_full_attention(cfg: dict[str, Any], arch: str) -> None:
         )
 
 
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
 def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     """Builds a ModelSpec from a parsed config.json of a supported architecture."""
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no 'architectures' entry")
-    arch = archs[0]
+    arch, num_labels = archs[0], 0
+    if arch.endswith(SEQUENCE_CLASSIFICATION):  # the causal LM's body under a score head
+        arch = arch.removesuffix(SEQUENCE_CLASSIFICATION) + "ForCausalLM"
+        num_labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
     if arch in MLA_ARCHITECTURES:
         raise ValueError(f"{arch} configs are read by models.deepseek_spec.deepseek_spec")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -325,6 +333,7 @@ def spec_from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        num_labels=num_labels,
     )
 
 

@@ -47,6 +47,7 @@ from .serving import ServingContext, engine_error, now, parse_body
 from .serving_chat import create_chat_completion, render_chat
 from .serving_completions import create_completion
 from .serving_messages import count_message_tokens, create_message
+from .serving_pooling import POOLING_ROUTES
 from .serving_responses import create_response, retrieve_response
 from .stats_logger import StatsLogger
 
@@ -160,6 +161,7 @@ def build_app(
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        *(Route(path, bind(handler), methods=["POST"]) for path, handler in POOLING_ROUTES),
     ]
     if dev_routes:  # VLLM_SERVER_DEV_MODE=1 or --enable-dev-routes: a training job's
         from .dev_routes import dev_routes as training_routes
