@@ -23,7 +23,7 @@ from jvllm.engine.metrics import EngineStats, SpecDecodeStats
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.step_io import PLACEHOLDER_TOKEN, PooledRows, PoolingStepRunner
-from jvllm.engine.validation import InvalidRequestError, check_token_ids
+from jvllm.engine.validation import InvalidRequestError, check_priority, check_token_ids
 from jvllm.pooling.config import PoolingModelConfig
 from jvllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from jvllm.pooling.params import PoolingParams
@@ -94,8 +94,11 @@ class PoolingEngine:
         prompt: str | list[int] | dict[str, Any],
         params: PoolingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validates and queues a request; InvalidRequestError names a bad field."""
+        """Validates and queues a request; InvalidRequestError names a bad field.
+        `priority`: lower first, with scheduling_policy="priority"."""
+        check_priority(priority, self.scheduler.scheduler_config.scheduling_policy)
         params = params if params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError(
@@ -109,7 +112,7 @@ class PoolingEngine:
         text, ids = self._tokenize(prompt)
         ids = self._fit(ids, params.truncate_prompt_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        request = Request(request_id, ids, _PREFILL_ONLY, arrival)
+        request = Request(request_id, ids, _PREFILL_ONLY, arrival, priority=priority)
         self.requests[request_id] = _Pooling(request, params, task, text)
         self.scheduler.add_request(request)
         self.prompt_tokens += len(ids)
@@ -234,6 +237,7 @@ class PoolingEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=0,
             num_compilations=self.runner.num_compilations,
+            weight_version=None,
         )
 
     def get_metrics(self) -> dict[str, Any]:
