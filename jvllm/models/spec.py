@@ -134,6 +134,9 @@ class ModelSpec:
     # Float linear and lm_head weights held `[in, out]`, the layout XLA:CPU's matmuls
     # read fastest; set after loading by `models.weight_layout`, never by a checkpoint.
     transposed_weights: bool = False
+    # Options of an architecture with a model class of its own (models/gemma.py's
+    # GemmaOptions, models/gpt_oss.py's GptOssOptions); None for the Llama family.
+    variant: Any = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
