@@ -9,12 +9,14 @@ from typing import Any
 import flax.linen as nn
 
 from jvllm.models.gemma import GemmaForCausalLM, gemma_spec
+from jvllm.models.gpt_oss import GptOssForCausalLM, gpt_oss_spec
 from jvllm.models.llama import CausalLM
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
@@ -29,6 +31,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 _SPEC_READERS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
     "Gemma2ForCausalLM": gemma_spec,
     "Gemma3ForCausalLM": gemma_spec,
+    "GptOssForCausalLM": gpt_oss_spec,
 }
 
 

@@ -59,6 +59,7 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
     # Sinks, biased attention and experts, YaRN past an original window of 64.
     "gpt_oss": dict(
         intermediate_size=32,
+        max_position_embeddings=256,  # 4 x the original window: YaRN's factor
         num_local_experts=4,
         num_experts_per_tok=2,
         rope_parameters={
@@ -128,7 +129,9 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scaled = groups / np.exp2(exp.astype(np.float32))
     codes = np.abs(scaled[..., None] - _E2M1).argmin(axis=-1).astype(np.uint8)  # [..., G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble first
-    return blocks.astype(np.uint8), (exp[..., 0] + 127).astype(np.uint8)
+    # Contiguous: safetensors writes a numpy array's buffer as it lies in memory.
+    scales = np.ascontiguousarray(exp[..., 0] + 127, dtype=np.uint8)
+    return np.ascontiguousarray(blocks, dtype=np.uint8), scales
 
 
 def _round_experts_to_mxfp4(model: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
