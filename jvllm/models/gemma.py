@@ -25,7 +25,12 @@ from jax.sharding import Mesh
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.rotary import LENGTH_DEPENDENT, rope_cos_sin
-from jvllm.models.layer_attention import LayerAttention, LayerOptions, partial_norm
+from jvllm.models.layer_attention import (
+    LayerAttention,
+    LayerOptions,
+    layer_windows,
+    partial_norm,
+)
 from jvllm.models.llama import LMHead, spec_linear, vocab_projection
 from jvllm.models.quantization import param
 from jvllm.models.spec import ModelSpec, RopeSpec, rope_from_config
@@ -51,22 +56,6 @@ class GemmaOptions:
             sliding_window=self.layer_windows[index],
             soft_cap=self.attn_soft_cap,
         )
-
-
-def layer_windows(cfg: dict[str, Any], pattern: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window from `layer_types` (else Transformers' default: every
-    `pattern`-th layer full, the others sliding)."""
-    n = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
-    ]
-    known = ("sliding_attention", "full_attention")
-    if len(types) != n or any(t not in known for t in types):
-        raise ValueError(f"config.json: layer_types must list {n} entries of {known}, got {types}")
-    window = cfg.get("sliding_window")
-    if any(t == "sliding_attention" for t in types) and not window:
-        raise ValueError("config.json: sliding_attention layers need a sliding_window")
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _ropes(cfg: dict[str, Any], gemma3: bool) -> tuple[RopeSpec, RopeSpec | None]:

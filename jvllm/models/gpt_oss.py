@@ -29,8 +29,7 @@ from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.grouped_matmul import ExpertBiases
 from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
 from jvllm.layers.rotary import LENGTH_DEPENDENT, rope_cos_sin
-from jvllm.models.gemma import layer_windows
-from jvllm.models.layer_attention import LayerAttention, LayerOptions
+from jvllm.models.layer_attention import LayerAttention, LayerOptions, layer_windows
 from jvllm.models.llama import LMHead, vocab_projection
 from jvllm.models.mxfp4 import GptOssCheckpoint
 from jvllm.models.quantization import param

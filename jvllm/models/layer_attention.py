@@ -8,7 +8,8 @@ sliding window, logit soft cap and attention sinks (`sinks` `[Hq]`, one learned 
 head, gpt-oss). On a `tp` mesh each device attends with its own heads (and its heads'
 sinks) and its slice of the cache, as the Llama family's attention does. Not owned here:
 what each option means in each backend (`layers/attention.py`, docs/attention_variants.md)
-and which layer gets which option (the model classes).
+and which layer gets which option (the model classes; `layer_windows` reads the windows
+from config.json's `layer_types`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -39,6 +41,22 @@ class LayerOptions:
     sliding_window: int | None = None  # None: full attention
     soft_cap: float | None = None  # logits become cap * tanh(logit / cap)
     sinks: bool = False  # a learned `sinks [Hq]` parameter joins the softmax denominator
+
+
+def layer_windows(cfg: dict[str, Any], pattern: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window from `layer_types` (else Transformers' default: every
+    `pattern`-th layer full, the others sliding)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+    ]
+    known = ("sliding_attention", "full_attention")
+    if len(types) != n or any(t not in known for t in types):
+        raise ValueError(f"config.json: layer_types must list {n} entries of {known}, got {types}")
+    window = cfg.get("sliding_window")
+    if any(t == "sliding_attention" for t in types) and not window:
+        raise ValueError("config.json: sliding_attention layers need a sliding_window")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 class LayerAttention(nn.Module):

@@ -6,7 +6,7 @@ alternate layers, Gemma 2's soft caps, Gemma 3's q/k norms and two ropes, gpt-os
 biased router and experts, clamped SwiGLU and YaRN past its original window of 64.
 Logits within float32 tolerance of Transformers' eager forward for prompts past the
 window, chunked prefill with decode; greedy tokens equal to Transformers' `generate` on
-12 prompts alone, under chunked prefill with forced preemption, and at TP=2; gpt-oss's
+12 prompts alone, and at TP=2 under chunked prefill with forced preemption; gpt-oss's
 MXFP4 experts loaded from blocks and scales equal to the float ones.
 """
 
@@ -76,12 +76,11 @@ def variant_hf_greedy(variant_hf_models, tokenizer_dir):
 
 
 def test_prefill_logits_match_hf_past_the_window(variant, variant_runners, variant_hf_models):
-    runner = variant_runners[variant]
-    for length in (1, 90):
-        ids = random_ids(length, seed=length)
-        blocks = list(range(1, 1 + -(-length // 16)))
-        (ours,) = runner.forward_logits([Row(ids, 0, blocks)], every_token=True)
-        assert_close(ours, hf_logits(variant_hf_models[variant], ids))
+    """70 tokens: past the window (16) and past gpt-oss's original rope window (64)."""
+    ids = random_ids(70, seed=70)
+    blocks = list(range(1, 6))
+    (ours,) = variant_runners[variant].forward_logits([Row(ids, 0, blocks)], every_token=True)
+    assert_close(ours, hf_logits(variant_hf_models[variant], ids))
 
 
 def test_chunked_prefill_then_decode_match_hf(variant, variant_runners, variant_hf_models):
@@ -100,12 +99,8 @@ def test_chunked_prefill_then_decode_match_hf(variant, variant_runners, variant_
 
 @pytest.mark.parametrize(
     "engine_kwargs",
-    [
-        {},
-        {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 32},
-        {"tensor_parallel_size": 2},
-    ],
-    ids=["alone", "chunked-preempted", "tp2"],
+    [{}, {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 32, "tensor_parallel_size": 2}],
+    ids=["alone", "tp2-chunked-preempted"],  # one engine for TP=2 and preemption: CI time
 )
 def test_greedy_tokens_equal_hf(variant, variant_checkpoints, variant_hf_greedy, engine_kwargs):
     llm = LLM(str(variant_checkpoints[variant]), **{**ENGINE, **engine_kwargs})
