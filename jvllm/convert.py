@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jvllm.models import orbax_checkpoint
 from jvllm.models.loader import _flatten, load_model
-from jvllm.models.spec import spec_from_hf_config
+from jvllm.models.registry import read_spec
 from jvllm.parallel.mesh import make_mesh
 
 
@@ -21,6 +21,6 @@ def convert(model: str, out: str, tensor_parallel_size: int = 1, dtype: str = "a
     mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
     loaded = load_model(model, dtype, mesh=mesh)
     flat = dict(_flatten(loaded.params))
-    spec = spec_from_hf_config(loaded.hf_config)
+    spec = read_spec(loaded.hf_config)
     orbax_checkpoint.save(flat, spec, tensor_parallel_size, loaded.dtype, Path(model), Path(out))
     return time.perf_counter() - start

@@ -24,10 +24,41 @@ this path or `ragged_dot` (`layers/moe.py`), the GPU's Triton kernel (`kernels/`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+def silu_and_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_oai(
+    gate: jax.Array, up: jax.Array, alpha: float = 1.702, limit: float = 7.0
+) -> jax.Array:
+    """gpt-oss's clamped SwiGLU: the gate clamped from above, up to [-limit, limit],
+    `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+# The experts' gated activations by vLLM's names: (gate [.., I], up [.., I]) -> [.., I].
+ACTIVATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "silu": silu_and_mul,
+    "swigluoai": swiglu_oai,
+}
+
+
+class ExpertBiases(NamedTuple):
+    """Per-expert biases of the gate and up projections (gpt-oss), added before the
+    activation; the down projection's bias is the caller's (it is routing-weighted)."""
+
+    gate: jax.Array  # [E, I]
+    up: jax.Array  # [E, I]
+
 
 # rows [tile, K] x one expert's [N, K] (the checkpoint's [out, in]) -> [tile, N].
 _ROWS_BY_OUT_IN = (((1,), (1,)), ((), ()))
@@ -62,6 +93,8 @@ def tiled_expert_mlp(
     w_down: jax.Array,  # [E, H, I]
     group_sizes: jax.Array,  # [E] int32
     tile: int,
+    biases: ExpertBiases | None = None,
+    activation: str = "silu",
 ) -> jax.Array:  # [M, H]
     """Each grouped row through its own expert's MLP, reading only non-empty experts."""
     if tile < 1:
@@ -77,7 +110,10 @@ def tiled_expert_mlp(
         mm = lambda a, w: jax.lax.dot_general(  # noqa: E731
             a, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), _ROWS_BY_OUT_IN
         )
-        hid = jax.nn.silu(mm(block, w_gate)) * mm(block, w_up)  # [tile, I]
+        gate, up = mm(block, w_gate), mm(block, w_up)  # [tile, I]
+        if biases is not None:
+            gate, up = gate + biases.gate[e], up + biases.up[e]
+        hid = ACTIVATIONS[activation](gate, up)  # [tile, I]
         y = mm(hid, w_down).astype(out.dtype)  # [tile, H]
         return j + 1, jax.lax.dynamic_update_slice_in_dim(out, y, start, axis=0)
 

@@ -6,6 +6,9 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
 (`w_gate`, `w_up` `[E, I, H]`, `w_down` `[E, H, I]`). The output is
 `sum_k weight[t, k] * expert_{experts[t, k]}(x[t])`.
 
+- Each expert is `down(act(gate(x) [+ b_gate], up(x) [+ b_up]))`: `act` SiLU-and-multiply,
+  or gpt-oss's clamped SwiGLU (`"swigluoai"`, `layers/grouped_matmul.py`), with optional
+  per-expert gate/up biases (`ExpertBiases`); a down bias is the caller's to add.
 - `route`: softmax over the router logits in float32, top-k, the k weights renormalised
   to sum to 1 when asked. Exact ties go to the lower expert index (`jax.lax.top_k`);
   `torch.topk`, which Transformers uses, leaves the order of ties unspecified, and on
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jvllm.layers.grouped_matmul import tiled_expert_mlp
+from jvllm.layers.grouped_matmul import ACTIVATIONS, ExpertBiases, tiled_expert_mlp
 from jvllm.parallel.mesh import AXIS
 
 # lhs [M, K] ragged on M; rhs [G, N, K] (the checkpoint's [out, in]) grouped on G.
@@ -112,16 +115,20 @@ def _sorted_expert_mlp(
     group_sizes: jax.Array,  # [El] int32
     backend: str,
     cpu_method: str,
+    biases: ExpertBiases | None = None,
+    activation: str = "silu",
 ) -> jax.Array:  # [T*k, H]; rows past the groups unspecified
+    def ragged() -> jax.Array:
+        return _ragged_expert_mlp(
+            rows, weights, sorted_experts, group_sizes, backend, biases, activation
+        )
+
     if backend == "triton" or cpu_method == "ragged_dot":
-        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+        return ragged()
     tile = cpu_tile_for(rows.shape[0], group_sizes.shape[0])
 
     def loop() -> jax.Array:
-        return tiled_expert_mlp(rows, *weights, group_sizes, tile)
-
-    def ragged() -> jax.Array:
-        return _ragged_expert_mlp(rows, weights, sorted_experts, group_sizes, backend)
+        return tiled_expert_mlp(rows, *weights, group_sizes, tile, biases, activation)
 
     # "auto": chosen when lowering, for the platform the program is lowered for.
     return loop() if cpu_method == "loop" else jax.lax.platform_dependent(cpu=loop, default=ragged)
@@ -133,10 +140,17 @@ def _ragged_expert_mlp(
     sorted_experts: jax.Array,  # [T*k] int32
     group_sizes: jax.Array,  # [El] int32
     backend: str,
+    biases: ExpertBiases | None = None,
+    activation: str = "silu",
 ) -> jax.Array:  # [T*k, H]
     grouped = lambda a, w: _grouped(a, w, sorted_experts, group_sizes, backend)  # noqa: E731
     w_gate, w_up, w_down = weights
-    return grouped(jax.nn.silu(grouped(rows, w_gate)) * grouped(rows, w_up), w_down)
+    gate, up = grouped(rows, w_gate), grouped(rows, w_up)  # [T*k, I]
+    if biases is not None:
+        # Rows past the local groups (expert El) take the last expert's bias; unused.
+        gate = gate + jnp.take(biases.gate, sorted_experts, axis=0, mode="clip")
+        up = up + jnp.take(biases.up, sorted_experts, axis=0, mode="clip")
+    return grouped(ACTIVATIONS[activation](gate, up), w_down)
 
 
 def grouped_expert_mlp(
@@ -148,11 +162,14 @@ def grouped_expert_mlp(
     first_expert: jax.Array | int = 0,
     backend: str = "reference",
     cpu_method: str | None = None,
+    biases: ExpertBiases | None = None,  # [El, I] each
+    activation: str = "silu",
 ) -> jax.Array:  # [T, H]
     """The experts' contribution to each token, for the `El` experts held here: experts
     `first_expert .. first_expert + El - 1` (all of them when El = E). Pairs routed to
     other experts sort after every local group and contribute zero. `cpu_method` picks
-    the grouped matmul off the Triton backend (None: `DEFAULT_CPU_METHOD`)."""
+    the grouped matmul off the Triton backend (None: `DEFAULT_CPU_METHOD`); `biases` and
+    `activation` (a name in `ACTIVATIONS`) give gpt-oss's experts."""
     cpu_method = DEFAULT_CPU_METHOD if cpu_method is None else cpu_method
     if cpu_method not in CPU_METHODS:
         raise ValueError(f"cpu_method must be one of {CPU_METHODS}, got {cpu_method!r}")
@@ -166,7 +183,9 @@ def grouped_expert_mlp(
     rows = x[order // k]  # [T*k, H]
     sorted_experts = flat[order]  # [T*k]
     weights = (w_gate, w_up, w_down)
-    out = _sorted_expert_mlp(rows, weights, sorted_experts, group_sizes, backend, cpu_method)
+    out = _sorted_expert_mlp(
+        rows, weights, sorted_experts, group_sizes, backend, cpu_method, biases, activation
+    )
     weight = jnp.where(mine, routing.weights, 0.0).reshape(-1)[order]  # [T*k] float32
     # Rows past the local groups were never multiplied: select, never scale, them away.
     valid = sorted_experts < num_local
@@ -201,6 +220,8 @@ def sharded_expert_mlp(
     mesh: Mesh,
     expert_parallel: bool,
     backend: str = "reference",
+    biases: ExpertBiases | None = None,
+    activation: str = "silu",
 ) -> jax.Array:  # [T, H], replicated
     """`grouped_expert_mlp` on a `tp` mesh: each device computes a partial sum over what
     it holds, then one all-reduce of `[T, H]` adds them.
@@ -223,28 +244,28 @@ def sharded_expert_mlp(
     (Mixtral's k = 2 at ep = 4 is the exception: the all-to-all would move half.) Expert
     weights never move: each device multiplies only the experts it holds.
     """
+
+    def local(x, weights, experts, g, u, d, *bias):
+        first = jax.lax.axis_index(AXIS) * g.shape[0] if expert_parallel else 0
+        b = ExpertBiases(*bias) if bias else None
+        routing = Routing(weights, experts)
+        out = grouped_expert_mlp(x, routing, g, u, d, first, backend, None, b, activation)
+        return jax.lax.psum(out, AXIS)
+
     if expert_parallel:
-
-        def local(x, weights, experts, g, u, d):
-            first = jax.lax.axis_index(AXIS) * g.shape[0]
-            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, first, backend)
-            return jax.lax.psum(out, AXIS)
-
         gate_spec = up_spec = down_spec = P(AXIS, None, None)
+        bias_spec = P(AXIS, None)
     else:
-
-        def local(x, weights, experts, g, u, d):
-            out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, 0, backend)
-            return jax.lax.psum(out, AXIS)
-
         gate_spec = up_spec = P(None, AXIS, None)
         down_spec = P(None, None, AXIS)
+        bias_spec = P(None, AXIS)
+    bias_args = tuple(biases) if biases is not None else ()
     # Inside a pipeline stage (`pp` already manual) the split is over the context's mesh.
     context = jax.sharding.get_abstract_mesh()
     return jax.shard_map(
         local,
         mesh=context if context.manual_axes else mesh,
-        in_specs=(P(), P(), P(), gate_spec, up_spec, down_spec),
+        in_specs=(P(), P(), P(), gate_spec, up_spec, down_spec) + (bias_spec,) * len(bias_args),
         out_specs=P(),
         check_vma=False,
-    )(x, routing.weights, routing.experts, w_gate, w_up, w_down)
+    )(x, routing.weights, routing.experts, w_gate, w_up, w_down, *bias_args)

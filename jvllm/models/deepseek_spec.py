@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from jvllm.models.spec import (
-    MLA_ARCHITECTURES,
     ModelSpec,
     MoESpec,
     RopeSpec,
     _rope_from_config,
-    spec_from_hf_config,
 )
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -95,14 +93,6 @@ def _rope(cfg: dict[str, Any]) -> RopeSpec:
     if float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("config.json: partial_rotary_factor != 1.0 is not supported")
     return _rope_from_config(cfg, ("yarn",))
-
-
-def model_spec(cfg: dict[str, Any]) -> ModelSpec:
-    """The ModelSpec of any supported config.json: DeepSeek's read here, the rest by
-    `spec.spec_from_hf_config`."""
-    if (cfg.get("architectures") or [None])[0] in MLA_ARCHITECTURES:
-        return deepseek_spec(cfg)
-    return spec_from_hf_config(cfg)
 
 
 def deepseek_spec(cfg: dict[str, Any]) -> ModelSpec:

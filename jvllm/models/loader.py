@@ -22,7 +22,6 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
-from jvllm.models.deepseek_spec import model_spec
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
@@ -33,7 +32,7 @@ from jvllm.models.quantization import (
     quantize,
     with_fp8_matmul,
 )
-from jvllm.models.registry import model_class
+from jvllm.models.registry import model_class, read_spec
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name
 from jvllm.parallel.loading import ShardedPlacer, to_numpy_dtype
@@ -157,11 +156,14 @@ def load_model(
     check_quantization(quantization)
     hf_config = read_config(model_dir)
     scheme: Any = quantization
-    if "quantization_config" in hf_config:
-        config = hf_config["quantization_config"]
+    base_spec = read_spec(hf_config)
+    cls = model_class(base_spec.architecture)  # unsupported architectures fail before any I/O
+    config = hf_config.get("quantization_config")
+    # A format the model class reads itself (gpt-oss's MXFP4 experts, dequantized at load).
+    if config is not None and config.get("quant_method") not in getattr(cls, "reads_quant", ()):
         scheme = checkpoint_scheme(str(model_dir), config, quantization)
     spec = dataclasses.replace(
-        model_spec(hf_config),
+        base_spec,
         quantization=scheme,
         expert_parallel=expert_parallel,
         max_model_len=max_model_len,
@@ -180,8 +182,9 @@ def load_model(
     if dtype == "auto" and converted:
         dtype = orbax_checkpoint.saved_dtype(model_dir)
     target = resolve_dtype(dtype, spec)
-    cls = model_class(spec.architecture)  # unsupported architectures fail before any I/O
     tp, pp = tp_size(mesh), pp_size(mesh)
+    if pp > 1 and not getattr(cls, "supports_pipeline", True):
+        raise ValueError(f"{spec.architecture} does not support pipeline_parallel_size={pp} (1)")
     if mesh is not None:
         check_divisible(spec, tp)
         check_stages(spec.num_layers, pp)
@@ -284,7 +287,10 @@ def read_params(
     index: SafetensorsIndex | PackedCheckpoint | ExpertCheckpoint = SafetensorsIndex(model_dir)
     if isinstance(spec.quantization, PackedWeights):
         index = PackedCheckpoint(index, spec.quantization, wanted)
-    if spec.moe is not None:
+    own_index = getattr(model_class(spec.architecture), "checkpoint_index", None)
+    if own_index is not None:  # a model that names its tensors itself (gpt-oss)
+        index = own_index(index, spec)
+    elif spec.moe is not None:
         index = ExpertCheckpoint(index, spec)
     if spec.architecture in FUSED_ARCHITECTURES:
         index = FusedProjections(index, spec)

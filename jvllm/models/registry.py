@@ -1,15 +1,26 @@
-"""Which `config.architectures` names jvllm serves, and with which Flax module."""
+"""Which `config.architectures` names jvllm serves, with which Flax module, and which
+function reads their config.json into a `ModelSpec`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 
 from jvllm.models.deepseek import DeepseekForCausalLM
+from jvllm.models.deepseek_spec import deepseek_spec
+from jvllm.models.gemma import GemmaForCausalLM, gemma_spec
+from jvllm.models.gpt_oss import GptOssForCausalLM, gpt_oss_spec
 from jvllm.models.llama import CausalLM
+from jvllm.models.spec import ModelSpec, spec_from_hf_config
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
@@ -19,6 +30,15 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
+}
+# Architectures whose config.json is read by their own module (the rest by
+# `spec_from_hf_config`).
+_SPEC_READERS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
+    "Gemma2ForCausalLM": gemma_spec,
+    "Gemma3ForCausalLM": gemma_spec,
+    "GptOssForCausalLM": gpt_oss_spec,
+    "DeepseekV2ForCausalLM": deepseek_spec,
+    "DeepseekV3ForCausalLM": deepseek_spec,
 }
 
 
@@ -34,3 +54,10 @@ def model_class(architecture: str) -> type[nn.Module]:
             f"architecture {architecture!r} is not supported; "
             f"supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def read_spec(cfg: dict[str, Any]) -> ModelSpec:
+    """The ModelSpec of a parsed config.json, by its architecture's own reader."""
+    archs = cfg.get("architectures") or []
+    reader = _SPEC_READERS.get(archs[0]) if archs else None
+    return reader(cfg) if reader is not None else spec_from_hf_config(cfg)

@@ -144,6 +144,9 @@ class ModelSpec:
     max_model_len: int | None = None
     # A *ForSequenceClassification checkpoint: its `score` head's rows (0: a causal LM).
     num_labels: int = 0
+    # Options of an architecture with a model class of its own (models/gemma.py's
+    # GemmaOptions, models/gpt_oss.py's GptOssOptions); None for the Llama family.
+    variant: Any = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

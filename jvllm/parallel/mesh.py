@@ -156,6 +156,11 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
     if tp == 1 or is_per_tensor(name, shape):
         return P()
     ndim = len(shape)
+    if leaf == "experts" and ndim == 2:  # per-expert biases [E, out] (gpt-oss)
+        if getattr(spec, "expert_parallel", False):
+            return P(AXIS, None)
+        # The down bias is added once, after the experts' partial sums are reduced.
+        return P() if name.endswith(".down_proj_bias") else P(None, AXIS)
     if leaf == "experts":  # stacked [E, out, in]: whole experts, or their I axis, split
         if getattr(spec, "expert_parallel", False):
             return P(AXIS, None, None)

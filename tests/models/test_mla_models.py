@@ -24,7 +24,7 @@ from jvllm.models.deepseek_spec import deepseek_spec
 from jvllm.models.loader import load_model
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner import memory
-from jvllm.testing.variant_checkpoints import make_variant_checkpoint
+from jvllm.testing.mla_checkpoints import make_variant_checkpoint
 from tests.helpers import hf_greedy, token_prompts
 from tests.models.test_forward import Row, assert_close, hf_logits, make_runner, random_ids
 

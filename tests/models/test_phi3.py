@@ -19,7 +19,7 @@ from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.models.loader import load_model
 from jvllm.parallel.mesh import make_mesh
 from jvllm.runner.model_runner import ModelRunner
-from jvllm.testing.variant_checkpoints import PHI3_ORIGINAL_WINDOW, make_variant_checkpoint
+from jvllm.testing.mla_checkpoints import PHI3_ORIGINAL_WINDOW, make_variant_checkpoint
 from tests.helpers import hf_greedy, token_prompts
 from tests.models.test_forward import Row, assert_close, hf_logits, random_ids
 
