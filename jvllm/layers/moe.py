@@ -46,6 +46,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jvllm.layers.expert_weights import (
+    ExpertWeight,
+    QuantizedExperts,
+    dequantized,
+    scale_rows,
+    stored_weight,
+)
 from jvllm.layers.grouped_matmul import tiled_expert_mlp
 from jvllm.parallel.mesh import AXIS
 
@@ -87,15 +94,25 @@ CPU_TILE_BOUNDS = (8, 64)
 
 
 def _grouped(
-    rows: jax.Array, w: jax.Array, sorted_experts: jax.Array, group_sizes: jax.Array, backend: str
+    rows: jax.Array,
+    w: ExpertWeight,
+    sorted_experts: jax.Array,
+    group_sizes: jax.Array,
+    backend: str,
 ) -> jax.Array:
     """rows [M, K] (sorted by group) times w [G, N, K] of each row's group -> [M, N];
-    with the "triton" backend, a kernel that reads only the groups' own weights."""
+    with the "triton" backend, a kernel that reads only the groups' own weights. A
+    quantized w's stored values are cast to the rows' dtype (the kernel then reads a
+    float copy: no int8 or float8 Triton kernel yet) and each output row is scaled by
+    its expert's output-channel scales."""
+    stored = stored_weight(w, rows.dtype)  # [G, N, K]
     if backend == "triton":
         from jvllm.kernels.jax_triton_grouped_matmul import grouped_matmul
 
-        return grouped_matmul(rows, w, sorted_experts, group_sizes)
-    return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
+        y = grouped_matmul(rows, stored, sorted_experts, group_sizes)
+    else:
+        y = jax.lax.ragged_dot_general(rows, stored, group_sizes, _GROUPED_OUT_IN)
+    return scale_rows(y, w, sorted_experts)
 
 
 def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
@@ -107,7 +124,7 @@ def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
 
 def _sorted_expert_mlp(
     rows: jax.Array,  # [T*k, H], sorted by expert
-    weights: tuple[jax.Array, jax.Array, jax.Array],  # gate, up [El, I, H]; down [El, H, I]
+    weights: tuple[ExpertWeight, ExpertWeight, ExpertWeight],  # gate, up [El, I, H]; down
     sorted_experts: jax.Array,  # [T*k] int32
     group_sizes: jax.Array,  # [El] int32
     backend: str,
@@ -129,7 +146,7 @@ def _sorted_expert_mlp(
 
 def _ragged_expert_mlp(
     rows: jax.Array,  # [T*k, H], sorted by expert
-    weights: tuple[jax.Array, jax.Array, jax.Array],
+    weights: tuple[ExpertWeight, ExpertWeight, ExpertWeight],
     sorted_experts: jax.Array,  # [T*k] int32
     group_sizes: jax.Array,  # [El] int32
     backend: str,
@@ -142,9 +159,9 @@ def _ragged_expert_mlp(
 def grouped_expert_mlp(
     x: jax.Array,  # [T, H]
     routing: Routing,
-    w_gate: jax.Array,  # [El, I, H]
-    w_up: jax.Array,  # [El, I, H]
-    w_down: jax.Array,  # [El, H, I]
+    w_gate: ExpertWeight,  # [El, I, H]
+    w_up: ExpertWeight,  # [El, I, H]
+    w_down: ExpertWeight,  # [El, H, I]
     first_expert: jax.Array | int = 0,
     backend: str = "reference",
     cpu_method: str | None = None,
@@ -178,11 +195,13 @@ def grouped_expert_mlp(
 def dense_expert_mlp_reference(
     x: jax.Array,  # [T, H]
     routing: Routing,
-    w_gate: jax.Array,  # [E, I, H]
-    w_up: jax.Array,
-    w_down: jax.Array,  # [E, H, I]
+    w_gate: ExpertWeight,  # [E, I, H]
+    w_up: ExpertWeight,
+    w_down: ExpertWeight,  # [E, H, I]
 ) -> jax.Array:  # [T, H]
-    """Every expert on every token, combined by one-hot routing weights (tests only)."""
+    """Every expert on every token, combined by one-hot routing weights (tests only);
+    quantized experts dequantized first."""
+    w_gate, w_up, w_down = (dequantized(w, x.dtype) for w in (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [T, k, E]
     combine = jnp.einsum("tk,tke->te", routing.weights, one_hot)  # [T, E]
@@ -195,9 +214,9 @@ def dense_expert_mlp_reference(
 def sharded_expert_mlp(
     x: jax.Array,  # [T, H], replicated
     routing: Routing,  # replicated
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    w_gate: ExpertWeight,
+    w_up: ExpertWeight,
+    w_down: ExpertWeight,
     mesh: Mesh,
     expert_parallel: bool,
     backend: str = "reference",
@@ -230,15 +249,17 @@ def sharded_expert_mlp(
             out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, first, backend)
             return jax.lax.psum(out, AXIS)
 
-        gate_spec = up_spec = down_spec = P(AXIS, None, None)
+        gate_spec = up_spec = _spec(w_gate, P(AXIS, None, None), P(AXIS, None))
+        down_spec = _spec(w_down, P(AXIS, None, None), P(AXIS, None))
     else:
 
         def local(x, weights, experts, g, u, d):
             out = grouped_expert_mlp(x, Routing(weights, experts), g, u, d, 0, backend)
             return jax.lax.psum(out, AXIS)
 
-        gate_spec = up_spec = P(None, AXIS, None)
-        down_spec = P(None, None, AXIS)
+        # Scales follow the output channels: split with gate/up's I, whole with down's H.
+        gate_spec = up_spec = _spec(w_gate, P(None, AXIS, None), P(None, AXIS))
+        down_spec = _spec(w_down, P(None, None, AXIS), P())
     # Inside a pipeline stage (`pp` already manual) the split is over the context's mesh.
     context = jax.sharding.get_abstract_mesh()
     return jax.shard_map(
@@ -248,3 +269,13 @@ def sharded_expert_mlp(
         out_specs=P(),
         check_vma=False,
     )(x, routing.weights, routing.experts, w_gate, w_up, w_down)
+
+
+def _spec(w: ExpertWeight, weight: P, scale: P) -> P | QuantizedExperts:
+    """`w`'s shard_map spec: its weight's, and for a quantized one its scales' (one
+    scale per expert, `[E, 1]`, is split only with the experts)."""
+    if not isinstance(w, QuantizedExperts):
+        return weight
+    if w.scale.shape[1] == 1 and scale != P(AXIS, None):
+        scale = P()
+    return QuantizedExperts(weight, scale)  # type: ignore[arg-type]

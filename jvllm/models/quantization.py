@@ -70,11 +70,12 @@ def storage_dtype(quantization: str) -> jnp.dtype:
 
 
 def quantize(weight: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
-    """`[out, in]` float -> (`[out, in]` int8 or float8_e4m3fn, `[out]` float32 scales)."""
+    """`[..., out, in]` float -> (`[..., out, in]` int8 or float8_e4m3fn, `[..., out]`
+    float32 scales): per output channel (of each expert, for stacked experts)."""
     w = np.asarray(weight, np.float32)
-    peak = np.max(np.abs(w), axis=1)
+    peak = np.max(np.abs(w), axis=-1)
     scale = np.where(peak > 0, peak / _QMAX[quantization], 1.0).astype(np.float32)
-    scaled = w / scale[:, None]
+    scaled = w / scale[..., None]
     if quantization == "int8":
         return np.clip(np.rint(scaled), -127, 127).astype(np.int8), scale
     return scaled.astype(ml_dtypes.float8_e4m3fn), scale

@@ -158,7 +158,9 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
     ndim = len(shape)
     if leaf == "experts":  # stacked [E, out, in]: whole experts, or their I axis, split
         if getattr(spec, "expert_parallel", False):
-            return P(AXIS, None, None)
+            return P(AXIS, *[None] * (ndim - 1))
+        if name.endswith("_scale"):  # [E, out] or [E, 1]: split with gate/up's outputs
+            return P(None, AXIS) if shape[1] > 1 and not name.endswith(".down_proj_scale") else P()
         return P(None, None, AXIS) if name.endswith(".down_proj") else P(None, AXIS, None)
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     # A packed layer's weight_g_idx [in] names each input's group: it follows the inputs.
