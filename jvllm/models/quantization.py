@@ -196,7 +196,8 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
     supported = (
         "pack-quantized int weights of 4 or 8 bits, symmetric or with zero points, by group "
         "(activation order 'group', 'weight' or none) or channel, with float activations; "
-        "float-quantized float8 weights per channel or per tensor, with float, dynamic "
+        "float-quantized (or naive-quantized) float8 weights per channel or per tensor, with "
+        "float, dynamic "
         "per-token or static per-tensor float8 activations"
     )
 
@@ -209,7 +210,10 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
         if group.get("output_activations"):
             raise refuse(f"output activation quantization in config group {name!r}")
         group_format = group.get("format") or fmt
-        if group_format == "float-quantized":
+        # naive-quantized float8 weights (llm-compressor's weight-only float8) are stored
+        # as float-quantized ones are: float8 `weight` and its `weight_scale`.
+        naive_float = (group.get("weights") or {}).get("type") == "float"
+        if group_format == "float-quantized" or (group_format == "naive-quantized" and naive_float):
             schemes[name] = _float_scheme(group, refuse)
             continue
         if group.get("input_activations"):
