@@ -28,6 +28,10 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   1279/69.0, 5112/197. The loop wins at every size, the 16-token decode included
   (ragged_dot multiplies every expert for every row; the loop runs only the non-empty
   tiles), so no small-batch dense path is kept on a CPU.
+- Quantized experts (`layers/expert_weights.py`): any of the three projections may be a
+  `QuantizedExperts`, int8 or float8 values with per-(expert, output channel) scales that
+  multiply the output rows: each tile's own expert's in the loop, each sorted row's
+  expert's under `ragged_dot`.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
