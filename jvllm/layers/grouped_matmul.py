@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jvllm.layers.expert_weights import ExpertWeight, expert_matrix, scale_expert_rows
+
 
 def silu_and_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
@@ -88,15 +90,17 @@ def plan_tiles(group_sizes: jax.Array, num_rows: int, tile: int) -> TilePlan:
 
 def tiled_expert_mlp(
     rows: jax.Array,  # [M, H], sorted by expert
-    w_gate: jax.Array,  # [E, I, H]
-    w_up: jax.Array,  # [E, I, H]
-    w_down: jax.Array,  # [E, H, I]
+    w_gate: ExpertWeight,  # [E, I, H]
+    w_up: ExpertWeight,  # [E, I, H]
+    w_down: ExpertWeight,  # [E, H, I]
     group_sizes: jax.Array,  # [E] int32
     tile: int,
     biases: ExpertBiases | None = None,
     activation: str = "silu",
 ) -> jax.Array:  # [M, H]
-    """Each grouped row through its own expert's MLP, reading only non-empty experts."""
+    """Each grouped row through its own expert's MLP, reading only non-empty experts
+    (quantized ones in their stored width, each tile's outputs times its expert's
+    output-channel scales)."""
     if tile < 1:
         raise ValueError(f"tile must be a positive number of rows, got {tile}")
     num_rows, hidden = rows.shape
@@ -107,9 +111,11 @@ def tiled_expert_mlp(
         j, out = state
         e, start = plan.expert[j], plan.first_row[j]
         block = jax.lax.dynamic_slice_in_dim(padded, start, tile)  # [tile, H]
-        mm = lambda a, w: jax.lax.dot_general(  # noqa: E731
-            a, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), _ROWS_BY_OUT_IN
-        )
+
+        def mm(a: jax.Array, w: ExpertWeight) -> jax.Array:  # [tile, K] -> [tile, N]
+            y = jax.lax.dot_general(a, expert_matrix(w, e, a.dtype), _ROWS_BY_OUT_IN)
+            return scale_expert_rows(y, w, e)
+
         gate, up = mm(block, w_gate), mm(block, w_up)  # [tile, I]
         if biases is not None:
             gate, up = gate + biases.gate[e], up + biases.up[e]

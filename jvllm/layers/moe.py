@@ -31,6 +31,10 @@ SiLU-gated MLP whose weights are stacked `[E, out, in]` as the checkpoint stores
   1279/69.0, 5112/197. The loop wins at every size, the 16-token decode included
   (ragged_dot multiplies every expert for every row; the loop runs only the non-empty
   tiles), so no small-batch dense path is kept on a CPU.
+- Quantized experts (`layers/expert_weights.py`): any of the three projections may be a
+  `QuantizedExperts`, int8 or float8 values with per-(expert, output channel) scales that
+  multiply the output rows: each tile's own expert's in the loop, each sorted row's
+  expert's under `ragged_dot`.
 - `dense_expert_mlp_reference`: a one-hot product over every expert, for tests only.
 - `sharded_expert_mlp`: the same over a `tp` mesh, experts split on their intermediate
   axis (tensor parallel) or on the expert axis (expert parallel); see its docstring for
@@ -49,6 +53,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jvllm.layers.expert_weights import (
+    ExpertWeight,
+    QuantizedExperts,
+    dequantized,
+    scale_rows,
+    stored_weight,
+)
 from jvllm.layers.grouped_matmul import ACTIVATIONS, ExpertBiases, tiled_expert_mlp
 from jvllm.parallel.mesh import AXIS
 
@@ -90,15 +101,25 @@ CPU_TILE_BOUNDS = (8, 64)
 
 
 def _grouped(
-    rows: jax.Array, w: jax.Array, sorted_experts: jax.Array, group_sizes: jax.Array, backend: str
+    rows: jax.Array,
+    w: ExpertWeight,
+    sorted_experts: jax.Array,
+    group_sizes: jax.Array,
+    backend: str,
 ) -> jax.Array:
     """rows [M, K] (sorted by group) times w [G, N, K] of each row's group -> [M, N];
-    with the "triton" backend, a kernel that reads only the groups' own weights."""
+    with the "triton" backend, a kernel that reads only the groups' own weights. A
+    quantized w's stored values are cast to the rows' dtype (the kernel then reads a
+    float copy: no int8 or float8 Triton kernel yet) and each output row is scaled by
+    its expert's output-channel scales."""
+    stored = stored_weight(w, rows.dtype)  # [G, N, K]
     if backend == "triton":
         from jvllm.kernels.jax_triton_grouped_matmul import grouped_matmul
 
-        return grouped_matmul(rows, w, sorted_experts, group_sizes)
-    return jax.lax.ragged_dot_general(rows, w, group_sizes, _GROUPED_OUT_IN)
+        y = grouped_matmul(rows, stored, sorted_experts, group_sizes)
+    else:
+        y = jax.lax.ragged_dot_general(rows, stored, group_sizes, _GROUPED_OUT_IN)
+    return scale_rows(y, w, sorted_experts)
 
 
 def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
@@ -110,7 +131,7 @@ def cpu_tile_for(num_pairs: int, num_experts: int) -> int:
 
 def _sorted_expert_mlp(
     rows: jax.Array,  # [T*k, H], sorted by expert
-    weights: tuple[jax.Array, jax.Array, jax.Array],  # gate, up [El, I, H]; down [El, H, I]
+    weights: tuple[ExpertWeight, ExpertWeight, ExpertWeight],  # gate, up [El, I, H]; down
     sorted_experts: jax.Array,  # [T*k] int32
     group_sizes: jax.Array,  # [El] int32
     backend: str,
@@ -136,7 +157,7 @@ def _sorted_expert_mlp(
 
 def _ragged_expert_mlp(
     rows: jax.Array,  # [T*k, H], sorted by expert
-    weights: tuple[jax.Array, jax.Array, jax.Array],
+    weights: tuple[ExpertWeight, ExpertWeight, ExpertWeight],
     sorted_experts: jax.Array,  # [T*k] int32
     group_sizes: jax.Array,  # [El] int32
     backend: str,
@@ -156,9 +177,9 @@ def _ragged_expert_mlp(
 def grouped_expert_mlp(
     x: jax.Array,  # [T, H]
     routing: Routing,
-    w_gate: jax.Array,  # [El, I, H]
-    w_up: jax.Array,  # [El, I, H]
-    w_down: jax.Array,  # [El, H, I]
+    w_gate: ExpertWeight,  # [El, I, H]
+    w_up: ExpertWeight,  # [El, I, H]
+    w_down: ExpertWeight,  # [El, H, I]
     first_expert: jax.Array | int = 0,
     backend: str = "reference",
     cpu_method: str | None = None,
@@ -197,11 +218,13 @@ def grouped_expert_mlp(
 def dense_expert_mlp_reference(
     x: jax.Array,  # [T, H]
     routing: Routing,
-    w_gate: jax.Array,  # [E, I, H]
-    w_up: jax.Array,
-    w_down: jax.Array,  # [E, H, I]
+    w_gate: ExpertWeight,  # [E, I, H]
+    w_up: ExpertWeight,
+    w_down: ExpertWeight,  # [E, H, I]
 ) -> jax.Array:  # [T, H]
-    """Every expert on every token, combined by one-hot routing weights (tests only)."""
+    """Every expert on every token, combined by one-hot routing weights (tests only);
+    quantized experts dequantized first."""
+    w_gate, w_up, w_down = (dequantized(w, x.dtype) for w in (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # [T, k, E]
     combine = jnp.einsum("tk,tke->te", routing.weights, one_hot)  # [T, E]
@@ -214,9 +237,9 @@ def dense_expert_mlp_reference(
 def sharded_expert_mlp(
     x: jax.Array,  # [T, H], replicated
     routing: Routing,  # replicated
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    w_gate: ExpertWeight,
+    w_up: ExpertWeight,
+    w_down: ExpertWeight,
     mesh: Mesh,
     expert_parallel: bool,
     backend: str = "reference",
@@ -253,11 +276,13 @@ def sharded_expert_mlp(
         return jax.lax.psum(out, AXIS)
 
     if expert_parallel:
-        gate_spec = up_spec = down_spec = P(AXIS, None, None)
+        gate_spec = up_spec = _spec(w_gate, P(AXIS, None, None), P(AXIS, None))
+        down_spec = _spec(w_down, P(AXIS, None, None), P(AXIS, None))
         bias_spec = P(AXIS, None)
     else:
-        gate_spec = up_spec = P(None, AXIS, None)
-        down_spec = P(None, None, AXIS)
+        # Scales follow the output channels: split with gate/up's I, whole with down's H.
+        gate_spec = up_spec = _spec(w_gate, P(None, AXIS, None), P(None, AXIS))
+        down_spec = _spec(w_down, P(None, None, AXIS), P())
         bias_spec = P(None, AXIS)
     bias_args = tuple(biases) if biases is not None else ()
     # Inside a pipeline stage (`pp` already manual) the split is over the context's mesh.
@@ -269,3 +294,13 @@ def sharded_expert_mlp(
         out_specs=P(),
         check_vma=False,
     )(x, routing.weights, routing.experts, w_gate, w_up, w_down, *bias_args)
+
+
+def _spec(w: ExpertWeight, weight: P, scale: P) -> P | QuantizedExperts:
+    """`w`'s shard_map spec: its weight's, and for a quantized one its scales' (one
+    scale per expert, `[E, 1]`, is split only with the experts)."""
+    if not isinstance(w, QuantizedExperts):
+        return weight
+    if w.scale.shape[1] == 1 and scale != P(AXIS, None):
+        scale = P()
+    return QuantizedExperts(weight, scale)  # type: ignore[arg-type]

@@ -19,11 +19,18 @@ tensors (passed through from the wrapped index) and where each slice goes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from jvllm.models.expert_quantization import (
+    ExpertScheme,
+    expert_scale,
+    expert_scheme,
+    expert_weight,
+)
 from jvllm.models.spec import ModelSpec
 
 # The model's projection name -> Mixtral's per-expert name.
@@ -39,17 +46,28 @@ class TensorIndex(Protocol):
 
 
 class StackedExperts:
-    """`[E, ...]` made of per-expert arrays (or row slices of a fused one), read lazily."""
+    """`[E, ...]` made of per-expert arrays (or row slices of a fused one), read lazily;
+    `convert` (a quantized checkpoint's unpacking or scale reshape) maps each part read
+    to its stacked form, `part_shape`."""
 
-    def __init__(self, parts: list[np.ndarray]) -> None:
+    def __init__(
+        self,
+        parts: list[np.ndarray],
+        convert: Callable[[np.ndarray], np.ndarray] | None = None,
+        part_shape: tuple[int, ...] | None = None,
+    ) -> None:
         self.parts = parts  # E arrays (memory maps or views of one), all one shape
-        self.shape = (len(parts), *parts[0].shape)
-        self.dtype = parts[0].dtype
+        self.convert = convert
+        first = convert(parts[0]) if convert is not None else parts[0]
+        self.shape = (len(parts), *(part_shape or first.shape))
+        self.dtype = first.dtype
 
     def __getitem__(self, index: tuple[slice, ...] | slice) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         experts = range(*index[0].indices(len(self.parts)))
-        return np.stack([np.asarray(self.parts[e][index[1:]]) for e in experts])
+        if self.convert is None:
+            return np.stack([np.asarray(self.parts[e][index[1:]]) for e in experts])
+        return np.stack([self.convert(self.parts[e])[index[1:]] for e in experts])
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
         whole = self[:]
@@ -64,6 +82,9 @@ class ExpertCheckpoint:
         assert spec.moe is not None
         self.index = index
         self.spec = spec
+        scheme = expert_scheme(spec.quantization, spec.architecture)
+        # A checkpoint's own quantized experts (quantization at load reads float ones).
+        self.scheme: ExpertScheme | None = None if isinstance(spec.quantization, str) else scheme
         # model name -> the checkpoint tensors it is made of
         self._sources: dict[str, list[str]] = {}
         for layer in spec.moe.sparse_layers:
@@ -74,12 +95,23 @@ class ExpertCheckpoint:
         for block in ("mlp", "block_sparse_moe"):
             if f"{prefix}{block}.gate.weight" in self.index:
                 self._sources[f"{prefix}mlp.gate.weight"] = [f"{prefix}{block}.gate.weight"]
+        # What a quantized checkpoint stores per expert: its weight and scale tensors.
+        q = self.scheme
+        stored = {"": "weight_packed" if q and q.packed else "weight"}
+        stored |= {"_scale": "weight_scale"} if q else {}
         for proj, mixtral in _MIXTRAL_NAMES.items():
             model = f"{prefix}mlp.experts.{proj}"
-            for block, leaf in (("mlp", proj), ("block_sparse_moe", mixtral)):
-                names = [f"{prefix}{block}.experts.{n}.{leaf}.weight" for n in range(e)]
-                if any(n in self.index for n in names):
-                    self._sources[model] = names
+            # llm-compressor writes Mixtral's experts under the names of its linearised
+            # modules, `block_sparse_moe.experts.N.gate_proj`.
+            for block, leaf in (
+                ("mlp", proj),
+                ("block_sparse_moe", mixtral),
+                ("block_sparse_moe", proj),
+            ):
+                for suffix, tensor in stored.items():
+                    names = [f"{prefix}{block}.experts.{n}.{leaf}.{tensor}" for n in range(e)]
+                    if any(n in self.index for n in names):
+                        self._sources[model + suffix] = names
             fused = f"{prefix}mlp.experts.gate_up_proj"
             if proj != "down_proj" and fused in self.index:
                 self._sources[model] = [fused]
@@ -95,7 +127,8 @@ class ExpertCheckpoint:
 
     def describe(self, name: str, shape: tuple[int, ...]) -> str:
         if ".mlp.experts." in name:
-            forms = "per-expert `experts.N.*.weight` or fused `experts.gate_up_proj`"
+            forms = "per-expert `experts.N.*.weight` (quantized: `weight_packed` or float8 "
+            forms += "`weight`, and `weight_scale`) or fused `experts.gate_up_proj`"
             return f"{name!r} of shape {shape} ({forms})"
         return self.index.describe(name, shape)
 
@@ -113,7 +146,15 @@ class ExpertCheckpoint:
                     f"checkpoint lacks expert tensor {missing[0]!r} "
                     f"({len(missing)} of {len(sources)} experts of {name!r} missing)"
                 )
-            return StackedExperts([self.index.array(n) for n in sources])
+            parts = [self.index.array(n) for n in sources]
+            if self.scheme is None:
+                return StackedExperts(parts)
+            if name.endswith("_scale"):
+                return StackedExperts(parts, expert_scale)
+            scheme = self.scheme
+            out, cols = parts[0].shape
+            shape = (out, cols * 4) if scheme.packed else (out, cols)
+            return StackedExperts(parts, lambda a: expert_weight(a, scheme), shape)
         whole = self.index.array(sources[0])
         if not sources[0].endswith(".gate_up_proj"):
             return whole

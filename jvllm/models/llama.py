@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
+from jvllm.layers.expert_weights import ExpertWeight, QuantizedExperts
 from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
 from jvllm.layers.rotary import (
     apply_rotary,
@@ -32,6 +33,7 @@ from jvllm.layers.rotary import (
     inverse_frequencies,
     rotary_cos_sin,
 )
+from jvllm.models.expert_quantization import expert_scheme
 from jvllm.models.quantization import (
     BlockFloatWeights,
     FloatWeights,
@@ -187,7 +189,9 @@ class GateWeight(nn.Module):
 
 
 class Experts(nn.Module):
-    """`experts.{gate,up,down}_proj`: every expert's weights stacked `[E, out, in]`."""
+    """`experts.{gate,up,down}_proj`: every expert's weights stacked `[E, out, in]`;
+    quantized (`models/expert_quantization.py`), int8 or float8 with float32 scales
+    `experts.{gate,up,down}_proj_scale` `[E, out]` (or `[E, 1]`)."""
 
     spec: ModelSpec
     dtype: jnp.dtype
@@ -198,9 +202,18 @@ class Experts(nn.Module):
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:  # [T, H] -> [T, H]
         s, m = self.spec, self.spec.moe
         e, i, h = m.num_experts, m.intermediate_size, s.hidden_size
-        w_gate = param(self, "gate_proj", _init, (e, i, h), self.dtype)
-        w_up = param(self, "up_proj", _init, (e, i, h), self.dtype)
-        w_down = param(self, "down_proj", _init, (e, h, i), self.dtype)
+        scheme = expert_scheme(s.quantization, s.architecture)
+
+        def weight(name: str, shape: tuple[int, int, int]) -> ExpertWeight:
+            if scheme is None:
+                return param(self, name, _init, shape, self.dtype)
+            q = param(self, name, nn.initializers.zeros, shape, scheme.dtype)
+            scale_shape = (shape[0], 1 if scheme.per_tensor else shape[1])  # [E, out or 1]
+            scale = param(self, f"{name}_scale", nn.initializers.ones, scale_shape, jnp.float32)
+            return QuantizedExperts(q, scale)
+
+        w_gate, w_up = weight("gate_proj", (e, i, h)), weight("up_proj", (e, i, h))
+        w_down = weight("down_proj", (e, h, i))
         if self.mesh is None:
             return grouped_expert_mlp(x, routing, w_gate, w_up, w_down, 0, self.backend)
         return sharded_expert_mlp(

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
+from jvllm.models.expert_quantization import expert_scheme, scale_name
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
@@ -222,11 +223,7 @@ def check_experts(spec: ModelSpec, mesh: Mesh | None) -> None:
                 f"{spec.architecture} has no experts"
             )
         return
-    if spec.quantization is not None:
-        raise ValueError(
-            f"{spec.architecture}: quantized experts are not supported "
-            f"(quantization={spec.quantization!r}); load the float checkpoint without it"
-        )
+    expert_scheme(spec.quantization, spec.architecture)  # raises for what experts cannot take
     pp = pp_size(mesh)
     if pp > 1 and spec.num_layers % pp == 0:
         per_stage = spec.num_layers // pp
@@ -321,7 +318,7 @@ def read_params(
             flat[path] = jax.device_put(_convert(array, dtype), host if kind else None)
 
     for path, shaped in abstract.items():
-        if path[-1] == "weight_scale" and isinstance(spec.quantization, str):
+        if path[-1].endswith("_scale") and isinstance(spec.quantization, str):
             continue  # quantized at load: made with its weight, below
         name = hf_name(path)
         if name not in index:
@@ -336,8 +333,8 @@ def read_params(
                 f"{index.file(name)}: tensor {name!r} has shape {array.shape}, "
                 f"expected {wanted[name]} from config.json"
             )
-        scale_path = (*path[:-1], "weight_scale")
-        if path[-1] == "weight" and scale_path in abstract and isinstance(spec.quantization, str):
+        scale_path = (*path[:-1], scale_name(path[-1]))
+        if scale_path in abstract and isinstance(spec.quantization, str):
             array, scale = quantize(array, spec.quantization)  # on the host
             place(scale_path, scale, jnp.float32)
         place(path, array, shaped.dtype)

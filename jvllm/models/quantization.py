@@ -70,11 +70,12 @@ def storage_dtype(quantization: str) -> jnp.dtype:
 
 
 def quantize(weight: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:
-    """`[out, in]` float -> (`[out, in]` int8 or float8_e4m3fn, `[out]` float32 scales)."""
+    """`[..., out, in]` float -> (`[..., out, in]` int8 or float8_e4m3fn, `[..., out]`
+    float32 scales): per output channel (of each expert, for stacked experts)."""
     w = np.asarray(weight, np.float32)
-    peak = np.max(np.abs(w), axis=1)
+    peak = np.max(np.abs(w), axis=-1)
     scale = np.where(peak > 0, peak / _QMAX[quantization], 1.0).astype(np.float32)
-    scaled = w / scale[:, None]
+    scaled = w / scale[..., None]
     if quantization == "int8":
         return np.clip(np.rint(scaled), -127, 127).astype(np.int8), scale
     return scaled.astype(ml_dtypes.float8_e4m3fn), scale
@@ -195,7 +196,8 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
     supported = (
         "pack-quantized int weights of 4 or 8 bits, symmetric or with zero points, by group "
         "(activation order 'group', 'weight' or none) or channel, with float activations; "
-        "float-quantized float8 weights per channel or per tensor, with float, dynamic "
+        "float-quantized (or naive-quantized) float8 weights per channel or per tensor, with "
+        "float, dynamic "
         "per-token or static per-tensor float8 activations"
     )
 
@@ -208,7 +210,10 @@ def packed_weights(config: dict[str, Any], where: str) -> PackedWeights | FloatW
         if group.get("output_activations"):
             raise refuse(f"output activation quantization in config group {name!r}")
         group_format = group.get("format") or fmt
-        if group_format == "float-quantized":
+        # naive-quantized float8 weights (llm-compressor's weight-only float8) are stored
+        # as float-quantized ones are: float8 `weight` and its `weight_scale`.
+        naive_float = (group.get("weights") or {}).get("type") == "float"
+        if group_format == "float-quantized" or (group_format == "naive-quantized" and naive_float):
             schemes[name] = _float_scheme(group, refuse)
             continue
         if group.get("input_activations"):

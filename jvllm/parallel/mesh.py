@@ -163,7 +163,9 @@ def partition_spec(name: str, shape: tuple[int, ...], spec: ModelShapes, tp: int
         return P() if name.endswith(".down_proj_bias") else P(None, AXIS)
     if leaf == "experts":  # stacked [E, out, in]: whole experts, or their I axis, split
         if getattr(spec, "expert_parallel", False):
-            return P(AXIS, None, None)
+            return P(AXIS, *[None] * (ndim - 1))
+        if name.endswith("_scale"):  # [E, out] or [E, 1]: split with gate/up's outputs
+            return P(None, AXIS) if shape[1] > 1 and not name.endswith(".down_proj_scale") else P()
         return P(None, None, AXIS) if name.endswith(".down_proj") else P(None, AXIS, None)
     # q_b_proj, kv_b_proj: latent attention's per-head up-projections.
     column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")

@@ -45,6 +45,29 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "fp8-static": ("QuantizationModifier", {"scheme": "FP8"}),
 }  # fmt: skip
 
+
+def _weights_only(weights: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Round-to-nearest weight quantization, activations left in float."""
+    return (
+        "QuantizationModifier",
+        {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}}},
+    )
+
+
+# Mixture-of-experts recipes (llm-compressor linearises the experts and leaves the routers
+# in float by itself).
+MOE_RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # int8 symmetric per output channel (W8A16), pack-quantized.
+    "w8a16-channel": _weights_only({"num_bits": 8, "type": "int", "symmetric": True,
+                                    "strategy": "channel"}),
+    # float8 weights per output channel, float inputs.
+    "fp8-weights-channel": _weights_only({"num_bits": 8, "type": "float", "symmetric": True,
+                                          "strategy": "channel"}),
+    # float8 weights, one scale per tensor (per expert), float inputs.
+    "fp8-weights-tensor": _weights_only({"num_bits": 8, "type": "float", "symmetric": True,
+                                         "strategy": "tensor"}),
+}  # fmt: skip
+
 NUM_CALIBRATION_SAMPLES = 16
 CALIBRATION_LEN = 48
 
@@ -53,7 +76,7 @@ def _modifier(name: str) -> Any:
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
-    kind, kwargs = RECIPES[name]
+    kind, kwargs = {**RECIPES, **MOE_RECIPES}[name]
     cls = {"GPTQModifier": GPTQModifier, "AWQModifier": AWQModifier}.get(kind, QuantizationModifier)
     return cls(targets=["Linear"], ignore=["lm_head"], **kwargs)
 

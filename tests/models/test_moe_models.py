@@ -157,9 +157,15 @@ def test_unsupported_router_is_named(tmp_path, tokenizer_dir, field, value):
         load_model(path)
 
 
-def test_quantized_experts_refused(moe_checkpoints):
-    with pytest.raises(ValueError, match="quantized experts are not supported"):
-        load_model(moe_checkpoints["olmoe"], quantization="int8")
+def test_quantized_experts_refused_unless_supported(moe_checkpoints):
+    """Experts take int8/fp8 at load (tests/models/test_moe_quantized.py); a checkpoint
+    scheme they cannot take is named."""
+    from jvllm.models.expert_quantization import expert_scheme
+    from jvllm.models.quantization import PackedWeights
+
+    assert expert_scheme("int8", "OlmoeForCausalLM").storage == "int8"
+    with pytest.raises(ValueError, match="quantized experts in the scheme"):
+        expert_scheme(PackedWeights(4, 32), "OlmoeForCausalLM")
 
 
 def test_expert_parallel_needs_experts(tmp_path, tokenizer_dir):

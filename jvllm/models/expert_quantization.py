@@ -1,0 +1,87 @@
+"""Which quantized forms a mixture-of-experts model's experts load in, and converting
+their checkpoint tensors to the device form.
+
+The device form (`layers/expert_weights.py`) is one per-(expert, output channel) scale
+on an int8 or float8 weight, or one scale per expert. It covers:
+
+- `quantization="int8"` / `"fp8"` at load: each expert's `[out, in]` weight quantized on
+  the host per output channel, as dense layers are (`quantization.quantize`);
+- compressed-tensors pack-quantized 8-bit symmetric per-channel weights (llm-compressor's
+  W8A16): `weight_packed` `[out, in / 4]` int32 words of unsigned bytes, unpacked here to
+  int8 `[out, in]` (the values minus 128), and `weight_scale` `[out, 1]`;
+- compressed-tensors float-quantized float8 weights with float inputs, per channel
+  (`weight_scale` `[out, 1]`) or per tensor (`[1]`).
+
+Other schemes (4-bit or grouped ints, zero points, GPTQ/AWQ layouts, block FP8, float8
+activations) are refused at load with a ValueError naming the scheme; their dense
+layers alone would load, which is not what the checkpoint means. The router (which
+llm-compressor's recipes leave in float) is never quantized.
+Not owned here: reading and stacking the per-expert tensors (`models/expert_tensors.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.models.packed_tensors import unpack_words
+from jvllm.models.quantization import FloatWeights, PackedWeights
+
+_SUPPORTED = (
+    "quantization='int8' or 'fp8' at load, compressed-tensors pack-quantized 8-bit "
+    "symmetric per-channel int weights (W8A16), float-quantized float8 weights per channel "
+    "or per tensor with float activations"
+)
+
+
+@dataclass(frozen=True)
+class ExpertScheme:
+    """Experts stored as `storage` ("int8" or "fp8") with a float32 scale per output
+    channel, or one per expert (`per_tensor`)."""
+
+    storage: str
+    per_tensor: bool = False
+    packed: bool = False  # the checkpoint's int8 values come packed in int32 words
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.int8 if self.storage == "int8" else jnp.float8_e4m3fn)
+
+
+def expert_scheme(quantization: Any, architecture: str) -> ExpertScheme | None:
+    """The experts' form under the model's quantization scheme; ValueError naming a
+    scheme the experts cannot take."""
+    if quantization is None:
+        return None
+    if quantization in ("int8", "fp8"):
+        return ExpertScheme(quantization)
+    if quantization == PackedWeights(8, None):
+        return ExpertScheme("int8", packed=True)
+    if isinstance(quantization, FloatWeights) and quantization.activations is None:
+        return ExpertScheme("fp8", per_tensor=quantization.weight_strategy == "tensor")
+    raise ValueError(
+        f"{architecture}: quantized experts in the scheme {quantization!r} are not "
+        f"supported; supported: {_SUPPORTED}"
+    )
+
+
+def expert_weight(array: np.ndarray, scheme: ExpertScheme) -> np.ndarray:
+    """One expert's checkpoint weight (`weight_packed` words or float8 `weight`) ->
+    its stored `[out, in]` values."""
+    if not scheme.packed:
+        return array
+    return (unpack_words(np.asarray(array), 8) - 128).astype(np.int8)
+
+
+def expert_scale(array: np.ndarray) -> np.ndarray:
+    """One expert's `weight_scale` (`[out, 1]`, `[1]` or a scalar) -> `[out]` or `[1]`."""
+    return np.asarray(array).reshape(-1)
+
+
+def scale_name(param: str) -> str:
+    """The scale parameter that goes with a quantized weight parameter: `weight` ->
+    `weight_scale` (a dense layer), `gate_proj` -> `gate_proj_scale` (stacked experts)."""
+    return "weight_scale" if param == "weight" else f"{param}_scale"

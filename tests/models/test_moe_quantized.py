@@ -1,0 +1,176 @@
+"""Quantized mixture-of-experts checkpoints against Transformers on their dequantized
+weights: logits, greedy tokens on 12 prompts, and on TP=2 or EP=2 as well.
+
+The checkpoints are made by llm-compressor itself from the tiny Qwen3-MoE (8 experts,
+top-3, a dense layer between sparse ones) and Mixtral (4 experts, top-2): int8 per output
+channel (W8A16, pack-quantized), float8 weights with one scale per tensor (each expert's
+own), and float8 per output channel; llm-compressor linearises the experts and leaves the
+routers in float. The reference is Transformers' float model of the weights
+compressed-tensors dequantizes (`moe_quantized_reference.py`). Also `quantization="int8"`
+/ `"fp8"` at load on a float MoE checkpoint, and the schemes experts refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jvllm import LLM, SamplingParams
+from jvllm.models.loader import load_model
+from tests.helpers import hf_greedy
+from tests.models.test_forward import assert_close, hf_logits
+from tests.models.test_quantization import dequantized_copy, prompt_row
+
+pytest.importorskip("compressed_tensors")
+pytest.importorskip("llmcompressor")
+
+REPO = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 8
+ENGINE = dict(max_model_len=256, max_num_seqs=12, max_num_batched_tokens=64)
+# (architecture, llm-compressor recipe in MOE_RECIPES)
+CASES = [
+    ("qwen3_moe", "w8a16-channel"),
+    ("qwen3_moe", "fp8-weights-tensor"),
+    ("mixtral", "fp8-weights-channel"),
+]
+_PRODUCE = """
+import sys
+from pathlib import Path
+from tests.models.llmcompressor_checkpoints import produce
+for arch, recipe in {cases}:
+    produce(Path(sys.argv[1]) / arch, Path(sys.argv[2]) / arch, [recipe], 512)
+"""
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [[int(t) for t in rng.integers(6, 512, size=n)] for n in range(3, 123, 10)]
+
+
+@pytest.fixture(scope="module")
+def made(moe_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case's checkpoint, by llm-compressor in one subprocess."""
+    src = next(iter(moe_checkpoints.values())).parent
+    root = tmp_path_factory.mktemp("moe-llmcompressor")
+    cmd = [sys.executable, "-c", _PRODUCE.format(cases=CASES), str(src), str(root)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return root
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["/".join(c) for c in CASES])
+def case(request: pytest.FixtureRequest, made: Path) -> Path:
+    arch, recipe = request.param
+    return made / arch / recipe
+
+
+@pytest.fixture(scope="module")
+def reference(case: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.moe_quantized_reference import write_dequantized
+
+    floats = write_dequantized(case, tmp_path_factory.mktemp("dequantized") / case.name)
+    hf = AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval()
+    return LLM(str(case), **ENGINE), hf
+
+
+def test_experts_load_quantized_as_llmcompressor_wrote_them(reference, case: Path) -> None:
+    config = json.loads((case / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in config["ignore"] and any(i.endswith(".gate") for i in config["ignore"])
+    llm, _ = reference
+    params = llm.engine.runner.model.params
+    layer = next(p for k, p in params["model"].items() if "mlp" in p and "experts" in p["mlp"])
+    experts = layer["mlp"]["experts"]
+    want = jnp.int8 if "w8a16" in case.name else jnp.float8_e4m3fn
+    e, i, h = experts["gate_proj"].shape
+    assert experts["gate_proj"].dtype == want and experts["down_proj"].dtype == want
+    per_tensor = case.name.endswith("tensor")
+    assert experts["gate_proj_scale"].shape == (e, 1 if per_tensor else i)
+    assert experts["down_proj_scale"].shape == (e, 1 if per_tensor else h)
+
+
+def test_logits_match_transformers(reference, moe_checkpoints, case: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm, hf = reference
+    ids = prompts()[6]
+    (got,) = llm.engine.runner.forward_logits([prompt_row(ids)], every_token=True)
+    want = hf_logits(hf, ids)
+    assert_close(got, want)
+    # The quantization shows: the float checkpoint's logits are further off than that.
+    float_hf = AutoModelForCausalLM.from_pretrained(moe_checkpoints[case.parent.name]).eval()
+    assert np.abs(hf_logits(float_hf, ids) - want).max() > 1e-2
+
+
+def test_greedy_tokens_equal_transformers(reference) -> None:
+    llm, hf = reference
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    for ids, out in zip(prompts(), outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, ids, NEW_TOKENS, eos)
+
+
+# Each case on two devices: int8 per-channel scales split with gate/up's outputs (TP),
+# per-tensor float8 scales and per-channel ones split with the experts (EP).
+TWO_DEVICES = {"w8a16-channel": False, "fp8-weights-tensor": True, "fp8-weights-channel": True}
+
+
+def test_two_devices_equal_transformers(reference, case: Path) -> None:
+    """TP=2 (or EP=2) greedy tokens equal Transformers', as one device's do above."""
+    _, hf = reference
+    expert_parallel = TWO_DEVICES[case.name]
+    llm = LLM(str(case), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE)
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    batch = prompts()[:6]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for ids, out in zip(batch, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, ids, NEW_TOKENS, eos)
+
+
+def test_quantization_at_load_matches_the_dequantized_model(
+    moe_checkpoints, tmp_path: Path
+) -> None:
+    """quantization='int8' on a float Qwen3-MoE checkpoint: each expert's weight per output
+    channel, as dense layers are ('fp8' takes the same path with float8 storage); logits
+    and greedy tokens equal Transformers on the dequantized weights."""
+    quantization = "int8"
+    from transformers import AutoModelForCausalLM
+
+    src = moe_checkpoints["qwen3_moe"]
+    floats = dequantized_copy(src, tmp_path / "deq", quantization)
+    hf = AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval()
+    llm = LLM(str(src), quantization=quantization, **ENGINE)
+    ids = prompts()[4]
+    (got,) = llm.engine.runner.forward_logits([prompt_row(ids)], every_token=True)
+    assert_close(got, hf_logits(hf, ids))
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:6]], params, use_tqdm=False)
+    for ids, out in zip(prompts(), outs, strict=False):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, ids, NEW_TOKENS, eos)
+
+
+def test_unsupported_expert_schemes_are_named(made: Path, tmp_path: Path) -> None:
+    """A 4-bit grouped scheme (and float8 activations) on experts fails at load, naming
+    the scheme and what experts accept."""
+    src = made / "qwen3_moe" / "w8a16-channel"
+    dst = tmp_path / "w4"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (group,) = config["quantization_config"]["config_groups"].values()
+    group["weights"].update(num_bits=4, strategy="group", group_size=32)
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized experts in the scheme .*bits=4.*supported"):
+        load_model(dst)
