@@ -23,6 +23,7 @@ from jvllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jvllm.demo import with_shipped_head
 from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
@@ -137,6 +138,8 @@ class EngineArgs:
         if old and "model" not in old:
             raise ValueError(f"{sorted(old)} need speculative_model (e.g. '[ngram]')")
         value = self.speculative_config if self.speculative_config is not None else old
+        if isinstance(value, dict):  # "eagle" / "medusa" on the demo: its shipped head
+            value = with_shipped_head(value, self.model)
         return SpeculativeConfig.from_dict(value) if value else None
 
     def create_engine(self) -> LLMEngine | PoolingEngine:

@@ -2,9 +2,11 @@
 
 `jvllm serve` and `LLM()` run it when given no model. This package owns where it lives,
 its name and the engine limits it is served with; `corpus`, `tokenizer`, `train` and
-`export` rebuild it (`python -m jvllm.demo.train --out DIR`); an EAGLE-1 head trained
-for it ships beside it (`demo_eagle_path()`, `python -m jvllm.demo.train_eagle`), for
-speculative decoding. Importing this module
+`export` rebuild it (`python -m jvllm.demo.train --out DIR`); an EAGLE-1 head and Medusa
+heads trained for it ship beside it (`demo_eagle_path()`, `demo_medusa_path()`; `python
+-m jvllm.demo.train_eagle`, `train_medusa`), for speculative decoding, and a
+speculative_config naming "eagle" or "medusa" without a model uses them on the demo
+model (`with_shipped_head`). Importing this module
 imports neither jax nor the training code.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 DEMO_NAME = "jvllm-demo"
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
 DEMO_EAGLE_DIR = Path(__file__).parent / "eagle"
+DEMO_MEDUSA_DIR = Path(__file__).parent / "medusa"
 # Engine defaults for the demo, applied unless the caller sets them: its context is 1024
 # positions (trained on 256), and it is small enough that CPU float32 is the fast path.
 DEMO_ENGINE_DEFAULTS: dict[str, Any] = dict(
@@ -43,6 +46,30 @@ def demo_eagle_path() -> Path:
             "rebuild it with `python -m jvllm.demo.train_eagle --out " + str(DEMO_EAGLE_DIR) + "`"
         )
     return DEMO_EAGLE_DIR
+
+
+def demo_medusa_path() -> Path:
+    """The shipped Medusa heads for the demo model (speculative_config's "model")."""
+    if not (DEMO_MEDUSA_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo Medusa heads are missing from {DEMO_MEDUSA_DIR}; reinstall jvllm, or "
+            "rebuild them with `python -m jvllm.demo.train_medusa --out "
+            + str(DEMO_MEDUSA_DIR)
+            + "`"
+        )
+    return DEMO_MEDUSA_DIR
+
+
+def with_shipped_head(speculative: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """`speculative` (vLLM's speculative_config dict) with the demo's shipped head as its
+    "model" where it names "eagle" or "medusa" without one and `model` is the demo."""
+    heads = {"eagle": demo_eagle_path, "medusa": demo_medusa_path}
+    method = speculative.get("method")
+    if method not in heads or speculative.get("model") is not None or model is None:
+        return speculative
+    if Path(model).resolve() != DEMO_MODEL_DIR.resolve():
+        return speculative
+    return {**speculative, "model": str(heads[method]())}
 
 
 @cache
