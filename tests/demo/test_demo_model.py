@@ -182,3 +182,27 @@ def test_the_shipped_eagle_head_drafts_as_transformers_and_is_often_right(llm, h
     head = load_head(demo_eagle_path())
     for sequence, drafts in seen[::4]:
         assert reference_drafts(hf, head, sequence, len(drafts)) == drafts
+
+
+def test_the_shipped_medusa_heads_draft_as_torch_and_are_often_right(llm, hf):
+    """The demo's Medusa heads, chosen by naming the method without a model: greedy
+    outputs equal plain decoding, over a quarter of the first head's drafts are kept, and
+    each proposal equals the heads' argmax computed in torch on Transformers' features."""
+    from jvllm.demo import demo_medusa_path
+    from jvllm.testing.medusa import load_heads, reference_drafts
+    from tests.e2e.test_eagle import _record_drafts
+
+    config = {"method": "medusa", "num_speculative_tokens": 1}
+    spec = LLM(
+        speculative_config=config, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    assert spec.llm_engine.config.speculative_config.model == str(demo_medusa_path())
+    seen = _record_drafts(spec)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)] == want
+    m = spec.get_metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0.25 * m["spec_decode_num_draft_tokens"]
+    heads = load_heads(demo_medusa_path())
+    for sequence, drafts in seen[::4]:
+        assert reference_drafts(hf, heads, sequence, len(drafts)) == drafts
