@@ -82,14 +82,24 @@ class HfRunner:
         model_name: str,
         tokenizer_name: str | None = None,
         dtype: str = "auto",
+        is_sentence_transformer: bool = False,
         **model_kwargs: Any,
     ) -> None:
+        """`is_sentence_transformer` (vLLM's): load the checkpoint with
+        sentence-transformers instead, for `encode`."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_name = str(model_name)
         self.dtype = torch_dtype(dtype, model_name)
-        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=self.dtype, **model_kwargs)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if is_sentence_transformer:
+            from sentence_transformers import SentenceTransformer
+
+            self.model = SentenceTransformer(self.model_name, device=device).to(self.dtype)
+            self.tokenizer = self.model.tokenizer
+            self.eos_token_ids = []
+            return
+        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=self.dtype, **model_kwargs)
         self.model = model.to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name)
         self.eos_token_ids = self._eos_ids()
@@ -178,3 +188,9 @@ class HfRunner:
             num_beams=beam_width,
             num_return_sequences=beam_width,
         )
+
+    def encode(self, prompts: Sequence[str], *args: Any, **kwargs: Any) -> list[list[float]]:
+        """sentence-transformers' embeddings of `prompts` (`is_sentence_transformer=True`),
+        as vLLM's `HfRunner.encode`."""
+        vectors = self.model.encode(list(prompts), *args, **kwargs)
+        return [list(map(float, v)) for v in vectors]

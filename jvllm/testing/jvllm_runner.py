@@ -120,5 +120,11 @@ class JvllmRunner:
             for p, out in zip(prompts, outs, strict=True)
         ]
 
+    def embed(self, prompts: Sequence[Prompt], *args: Any, **kwargs: Any) -> list[list[float]]:
+        """Each prompt's pooled embedding (a `runner="pooling"` model), as vLLM's
+        `VllmRunner.embed`; extra arguments go to `LLM.embed`."""
+        outputs = self.llm.embed([_request(p) for p in prompts], *args, use_tqdm=False, **kwargs)
+        return [list(o.outputs.embedding) for o in outputs]
+
 
 VllmRunner = JvllmRunner

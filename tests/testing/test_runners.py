@@ -68,3 +68,23 @@ def test_beam_search_gives_transformers_beams_and_generate_keeps_vllms_shape(run
     assert runs["hf"]["beams"] == runs["jvllm"]["beams"]
     ((ids, texts),) = runs["sampled"]
     assert len(ids) == len(texts) == 2 and all(t.startswith(runs["prompts"][0]) for t in texts)
+
+
+def test_embed_equals_sentence_transformers(hf_runner, jvllm_runner, tokenizer_dir, tmp_path):
+    """vLLM's embedding-model test shape: `hf_runner(..., is_sentence_transformer=True)`
+    and `jvllm_runner(..., runner="pooling")` on one checkpoint."""
+    import numpy as np
+
+    from jvllm.testing.pooling_checkpoints import make_embedder
+
+    path = make_embedder(tmp_path / "embedder", tokenizer_dir)
+    prompts = ["rivers run to the sea", "the quick brown fox jumps over the lazy dog"]
+    with hf_runner(str(path), dtype="float32", is_sentence_transformer=True) as hf_model:
+        want = hf_model.encode(prompts)
+    with jvllm_runner(
+        str(path), dtype="float32", runner="pooling", max_model_len=64, max_num_batched_tokens=32
+    ) as jvllm_model:
+        got = jvllm_model.embed(prompts)
+    for a, b in zip(got, want, strict=True):
+        cos = np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))
+        assert cos >= 0.9999
