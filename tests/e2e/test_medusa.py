@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jvllm import LLM, SamplingParams
+from tests.e2e.test_eagle import _record_drafts
 
 K = 3
 ENGINE = dict(
@@ -38,21 +39,6 @@ def tiny(tmp_path_factory):
         target, root / "faster", num_heads=4, num_layers=2, seed=5, layout="faster"
     )
     return str(target), str(heads), str(faster)
-
-
-def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    speculator = llm.llm_engine.speculator
-    seen = []
-    propose = speculator.propose
-
-    def recording(sequences):
-        propose(sequences)
-        for seq in sequences:
-            if seq.request.spec_token_ids:
-                seen.append((list(seq.request.all_token_ids), list(seq.request.spec_token_ids)))
-
-    speculator.propose = recording
-    return seen
 
 
 @pytest.mark.slow
