@@ -155,7 +155,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
 # The most draft tokens one row verifies (each costs a logits row of the step).
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = frozenset(
@@ -170,7 +170,8 @@ class SpeculativeConfig:
     it agrees with. `method="ngram"` looks the guesses up in the request's own prompt
     and output (prompt_lookup_min..max tokens of suffix matched); `"draft_model"` asks a
     smaller model with the same vocabulary (`model`); `"eagle"` an EAGLE-1 head trained
-    for the target (`model`), which drafts from the target's hidden states; `"medusa"`
+    for the target (`model`), which drafts from the target's hidden states (`"eagle3"`
+    an EAGLE-3 head: three target layers fused, a draft vocabulary); `"medusa"`
     Medusa heads (`model`), each predicting one more token ahead from the target's hidden
     state (at most their number of drafts)."""
 

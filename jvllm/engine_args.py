@@ -228,9 +228,9 @@ class EngineArgs:
             draft = load_draft(
                 speculative.model, self.dtype, backend, mesh, loaded, max_model_len, tokenizer
             )
-        elif speculative is not None and speculative.method == "eagle":
+        elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             assert speculative.model is not None
-            draft = load_eagle_head(speculative.model, loaded, backend, mesh)
+            draft = load_eagle_head(speculative.model, loaded, backend, mesh, speculative.method)
             check_draft_length(speculative.model, draft, max_model_len)
             logger.info("EAGLE head: %s (%.1f MiB)", speculative.model, draft.weight_bytes / 2**20)
         elif speculative is not None and speculative.method == "medusa":

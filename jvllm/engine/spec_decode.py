@@ -109,7 +109,7 @@ class Speculator:
     @property
     def wants_every_row(self) -> bool:
         """An EAGLE head rewrites every row's last entry, drafts or none."""
-        return self.config.method == "eagle"
+        return self.config.method in ("eagle", "eagle3")
 
     def _propose_on_device(self, sequences: Sequence[StepSequence]) -> None:
         assert self.draft_model is not None and self.block_table is not None

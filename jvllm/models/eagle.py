@@ -11,7 +11,8 @@ Checkpoints are the public EAGLE-1 layout, as vLLM's `EagleLlamaForCausalLM` rea
 them: a Llama config.json (one layer, the target's hidden size) and safetensors named
 `fc.weight` (`fc.bias` where present), `layers.0.self_attn.q_proj.weight`, ... A stored
 `embed_tokens`, `lm_head` or layer-0 `input_layernorm` is ignored, as vLLM does. EAGLE-3
-heads (fused features of several target layers, their own vocabulary) are not read.
+heads (fused features of several target layers, their own vocabulary) are
+`jvllm.models.eagle3`'s.
 """
 
 from __future__ import annotations
@@ -76,15 +77,21 @@ def load_eagle_head(
     target: LoadedModel,
     backend: str = "reference",
     mesh: Mesh | None = None,
+    method: str = "eagle",
 ) -> LoadedModel:
-    """An EAGLE-1 head for `target`, in the target's dtype and on its mesh; errors name
-    what does not fit the target."""
+    """An EAGLE-1 head for `target` (an EAGLE-3 head, `models.eagle3`, with method
+    "eagle3"), in the target's dtype and on its mesh; errors name what does not fit the
+    target."""
+    if method == "eagle3":
+        from jvllm.models.eagle3 import load_eagle3_head
+
+        return load_eagle3_head(path, target, backend, mesh)
     path = Path(path)
     config = read_config(path)
     arch = (config.get("architectures") or ["?"])[0]
     where = f"speculative_config model {str(path)!r}"
     if "eagle3" in arch.lower() or "eagle_config" in config or "draft_vocab_size" in config:
-        raise ValueError(f"{where}: EAGLE-3 heads are not supported; jvllm reads EAGLE-1 heads")
+        raise ValueError(f"{where}: EAGLE-3 heads are read with method 'eagle3', not 'eagle'")
     if arch not in EAGLE_ARCHITECTURES:
         raise ValueError(
             f"{where}: architecture {arch!r} is not an EAGLE-1 Llama head; "

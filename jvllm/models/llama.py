@@ -307,9 +307,13 @@ class DecoderModel(nn.Module):
         scaling = attention_scaling(self.spec.rope)  # LongRoPE's; 1 for the others
         cos_sin = rotary_cos_sin(positions, self.inv_freq, self.dtype, scaling)
         new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            # Layer i's input, for an EAGLE-3 head (vLLM's aux hidden state i); a no-op
+            # unless `apply` is given mutable=["intermediates"].
+            self.sow("intermediates", f"aux_{i}", x)
             x, cache = layer(x, cos_sin, cache, meta)
             new_caches.append(cache)
+        self.sow("intermediates", f"aux_{len(self.layers)}", x)  # before the final norm
         return self.norm(x), new_caches
 
     def embedding(self) -> jax.Array:  # [V, H]

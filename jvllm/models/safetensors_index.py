@@ -27,6 +27,7 @@ _DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "BOOL": np.dtype(np.bool_),  # an EAGLE-3 head's t2d mask
 }
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding's proposers on the device: a draft model, or an EAGLE head.
+"""Speculative decoding's proposers on the device: a draft model, EAGLE or Medusa heads.
 
 Each owns the two programs it adds to a step, both traced into the runner's jitted
 functions:
@@ -24,6 +24,11 @@ newest token p was sampled from) with the newest token and the target's feature 
 then feeds its own output features forward for the remaining steps. A row that takes
 no drafts (a prefill chunk short of the prompt's end, a sequence one token from its
 limit) still gets that first step, so its next chunk or row attends to a true entry.
+
+An EAGLE-3 head (`Eagle3Drafter`, `jvllm.models.eagle3`) proposes as EAGLE-1 does, but
+its features are three target layers' inputs (`aux_layers`, `[T, 3H]`) fused by its
+`fc`, it feeds its own output (before its final norm) forward, and it scores with its
+own draft vocabulary mapped to target ids.
 
 Medusa heads (`MedusaDrafter`, `jvllm.models.medusa`) have no cache: `propose` scores
 each row's feature (the target's hidden state at the logits row its newest token came
@@ -75,6 +80,9 @@ class Drafter:
 
     # Whether `propose` reads the step's logits rows' hidden states (`features`).
     uses_features = False
+    # EAGLE-3: the target layers whose inputs replace the final hidden states as the
+    # features `write_kv` and `propose` read (concatenated, `[T, 3H]`).
+    aux_layers: tuple[int, ...] = ()
 
     def __init__(self, loaded: LoadedModel, num_speculative_tokens: int, block_size: int) -> None:
         self.model = loaded
@@ -173,6 +181,59 @@ class EagleDrafter(Drafter):
 
         score = lambda h: target.apply({"params": target_params}, h, method=target.logits)
         first = features[rows.feature_rows]
+        return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+
+
+class Eagle3Drafter(EagleDrafter):
+    """An EAGLE-3 head: as EAGLE-1, but its features are the target's aux hidden states
+    fused by the head's `fc`, its later steps feed its own pre-norm output back, and it
+    scores with its own draft-vocabulary lm_head (mapped to target ids)."""
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.model.module.aux_layers
+
+    def _head(self, params: Any, *args: Any, method: str | None = None) -> Any:
+        module = self.model.module
+        return module.apply({"params": params}, *args, method=method or "__call__")
+
+    def _embeds(self, params: Any, target_params: Any, token_ids: jax.Array) -> jax.Array:
+        if self.model.module.own_embedding:
+            return self._head(params, token_ids, method="embed")
+        return self._embed(target_params, token_ids)
+
+    def write_kv(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        hidden: jax.Array,
+    ) -> list[KVCache]:
+        """As EAGLE-1's, with `hidden` the aux hidden states `[T, 3H]` fused by `fc`."""
+        embeds = self._embeds(params, target_params, jnp.roll(inp.token_ids, -1))
+        fused = self._head(params, hidden, method="fuse")
+        _, caches = self._head(params, embeds, fused, inp.positions, caches, inp.attn)
+        return caches
+
+    def propose(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """As `EagleDrafter.propose`; `features` `[R, 3H]` are the aux hidden states at
+        the step's logits rows."""
+
+        def step(token, pos, attn, feature, caches):
+            embeds = self._embeds(params, target_params, token)
+            out, caches = self._head(params, embeds, feature, pos, caches, attn)
+            return out, out, caches
+
+        score = lambda h: self._head(params, h, method="logits")
+        first = self._head(params, features[rows.feature_rows], method="fuse")
         return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
 
 

@@ -45,13 +45,14 @@ from jvllm.engine.step_io import DraftRow, SchedulerOutput, StepSampling
 from jvllm.layers import sampler
 from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import EagleHead
+from jvllm.models.eagle3 import Eagle3Head
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.models.medusa import MedusaHeads
 from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.parallel.step_channel import StepPublisher
 from jvllm.runner.block_copies import BlockCopier
-from jvllm.runner.drafter import Drafter, EagleDrafter, MedusaDrafter, ProposalInputs
+from jvllm.runner.drafter import Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter, ProposalInputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -128,7 +129,9 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         self.model = loaded
         self.drafter: Drafter | None = None
         k, block_size = num_lookahead_tokens, cache_config.block_size
-        if draft is not None and isinstance(draft.module, EagleHead):
+        if draft is not None and isinstance(draft.module, Eagle3Head):
+            self.drafter = Eagle3Drafter(draft, loaded, k, block_size)
+        elif draft is not None and isinstance(draft.module, EagleHead):
             self.drafter = EagleDrafter(draft, loaded, k, block_size)
         elif draft is not None and isinstance(draft.module, MedusaHeads):
             self.drafter = MedusaDrafter(draft, k, block_size)

@@ -27,7 +27,7 @@ from jvllm.models.loader import LoadedModel
 from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import run_pipeline
 from jvllm.runner.drafter import Drafter, ProposalInputs
-from jvllm.runner.input_batch import BatchShape, unpack, unpack_micro_batches
+from jvllm.runner.input_batch import BatchShape, ModelInput, unpack, unpack_micro_batches
 from jvllm.sampling_params import MAX_LOGPROBS
 
 # On CPU devices prompt logprobs score the positions in groups of this many, only as
@@ -111,19 +111,21 @@ class StepPrograms:
             if lora_weights is not None:
                 adapters = applying_lora(lora_weights, inp.lora_slots)
             with adapters:
-                hidden, target_caches = module.apply(
-                    {"params": params}, inp.token_ids, inp.positions, caches[:split], inp.attn
+                hidden, target_caches, feature_source = self.target_forward(
+                    params, caches[:split], inp
                 )
             token_ids, logits_indices = inp.token_ids, inp.logits_indices
         draft_caches = caches[split:]
         if self.drafter is not None:
-            draft_caches = self.drafter.write_kv(draft_params, params, draft_caches, inp, hidden)
+            draft_caches = self.drafter.write_kv(
+                draft_params, params, draft_caches, inp, feature_source
+            )
         last = hidden[logits_indices]  # [S, H]
         logits = module.apply({"params": params}, last, method=module.logits)  # [S, V]
         last_inputs = token_ids[logits_indices]  # [S]
         features = None
         if self.drafter is not None and self.drafter.uses_features:
-            features = self._padded(last, self.max_rows)
+            features = self._padded(feature_source[logits_indices], self.max_rows)
         if self.group_rows is not None:  # one sampler program for every bucket
             hidden = self._padded(hidden, self.max_tokens)  # and one prompt-logprob program
             last_inputs = self._padded(last_inputs, self.max_rows)
@@ -135,6 +137,29 @@ class StepPrograms:
                 if self.mesh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
+
+    def target_forward(
+        self, params: Any, caches: list[KVCache], inp: ModelInput
+    ) -> tuple[jax.Array, list[KVCache], jax.Array]:
+        """The target's final hidden states `[T, H]`, its caches, and the features a
+        proposer reads: the final hidden states, or for an EAGLE-3 head the inputs of its
+        aux layers concatenated `[T, 3H]` (collected only then)."""
+        module = self.model.module
+        args = ({"params": params}, inp.token_ids, inp.positions, caches, inp.attn)
+        layers = self.drafter.aux_layers if self.drafter is not None else ()
+        if not layers:
+            hidden, caches = module.apply(*args)
+            return hidden, caches, hidden
+        (hidden, caches), state = module.apply(*args, mutable=["intermediates"])
+        sown = state.get("intermediates", {}).get("model", {})
+        missing = [i for i in layers if f"aux_{i}" not in sown]
+        if missing:
+            raise ValueError(
+                f"{self.model.spec.architecture} does not give the hidden states of "
+                f"layers {missing} an EAGLE-3 head needs"
+            )
+        aux = jnp.concatenate([sown[f"aux_{i}"][0] for i in layers], axis=-1)
+        return hidden, caches, aux
 
     def pipeline_forward(
         self,
