@@ -158,17 +158,24 @@ def aux_hidden_states(target: Any, ids: Any, layers: Sequence[int]) -> Any:
 
 
 def reference_drafts(
-    target: Any, head: Any, target_ids: list[int], layers: Sequence[int], tokens: list[int], k: int
+    target: Any,
+    head: Any,
+    target_ids: list[int],
+    layers: Sequence[int],
+    tokens: list[int],
+    k: int,
+    embed: Any = None,
 ) -> list[int]:
     """The k greedy drafts `head` proposes after `tokens` (the last one newly sampled)
-    for the Transformers model `target`, recomputed without any cache."""
+    for the Transformers model `target`, recomputed without any cache; tokens embedded
+    by `embed` (the head's own embedding), else by the target's."""
     import torch
 
     vocab = target.config.vocab_size
     with torch.no_grad():
         ids = torch.tensor([tokens])
         fused = head.fc(aux_hidden_states(target, ids, layers))  # [1, n, H]
-        embed = target.get_input_embeddings()
+        embed = embed or target.get_input_embeddings()
         # Entry i pairs token i + 1 with feature i; each draft adds an entry pairing it
         # with the head's own output before it.
         inputs, feats = ids[:, 1:], fused[:, :-1]

@@ -19,6 +19,7 @@ from jvllm import LLM, SamplingParams
 K = 3
 AUX_LAYERS = (0, 1, 2)  # the 2-layer target's embedding, layer 1's input, its output
 DRAFT_IDS = (1, 3, 4, 5, 6, 7)  # the draft vocabulary: 6 of the target's 8 tokens
+ENGINE = dict(max_model_len=96, max_num_seqs=6, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,7 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
 
     target, head = tiny
     # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
-    engine = dict(
-        max_model_len=96, max_num_seqs=6, max_num_batched_tokens=16, num_gpu_blocks_override=9
-    )
+    engine = {**ENGINE, "num_gpu_blocks_override": 9}
     lengths = (3, 9, 20, 33, 5, 41)
     prompts = [
         {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
@@ -73,6 +72,50 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
         assert all(d in DRAFT_IDS for d in drafts)
         want_drafts = reference_drafts(hf, reference, target_ids, AUX_LAYERS, sequence, len(drafts))
         assert want_drafts == drafts, sequence
+
+    # Seeded sampling: a request draws the same alone as beside others.
+    seeded = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)
+    ]
+    batch = llm.generate(prompts[:2] * 2, [greedy, greedy, *seeded], use_tqdm=False)
+    for prompt, params, out in zip(prompts[:2], seeded, batch[2:], strict=True):
+        alone = llm.generate([prompt], params, use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_eagle3_speculators_names_and_own_embedding(tiny, tmp_path):
+    """The `layers.0.*` spelling of the layer reads the same weights as `midlayer.*`, and
+    a head's own `embed_tokens` embeds its draft tokens instead of the target's."""
+    import jax
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jvllm.models.eagle3 import load_eagle3_head
+    from jvllm.models.loader import load_model
+    from jvllm.runner.drafter import Eagle3Drafter
+
+    target, head = tiny
+    state = load_file(str(Path(head) / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+    torch.manual_seed(7)
+    embedding = torch.randn(8, renamed["fc.weight"].shape[0])
+    save_file({**renamed, "embed_tokens.weight": embedding}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((Path(head) / "config.json").read_text())
+    loaded = load_model(target)
+    canonical = load_eagle3_head(head, loaded)
+    variant = load_eagle3_head(tmp_path, loaded)
+    assert not canonical.module.own_embedding and variant.module.own_embedding
+    jax.tree.map(
+        np.testing.assert_array_equal, variant.params["layers_0"], canonical.params["midlayer"]
+    )
+    np.testing.assert_array_equal(variant.params["draft_ids"], np.array(DRAFT_IDS))
+    ids = jax.numpy.array([0, 3, 7])
+    drafter = Eagle3Drafter(variant, loaded, K, 16)
+    got = drafter._embeds(variant.params, loaded.params, ids)
+    np.testing.assert_allclose(np.asarray(got), embedding.numpy()[[0, 3, 7]])
+    own = Eagle3Drafter(canonical, loaded, K, 16)._embeds(canonical.params, loaded.params, ids)
+    np.testing.assert_array_equal(own, loaded.params["model"]["embed_tokens"]["embedding"][ids])
 
 
 def test_an_eagle3_head_must_fit_the_target(tiny, tmp_path):
