@@ -205,7 +205,7 @@ class Experts(nn.Module):
         scheme = expert_scheme(s.quantization, s.architecture)
 
         def weight(name: str, shape: tuple[int, int, int]) -> ExpertWeight:
-            if scheme is None:
+            if scheme is None or scheme.dequantized:
                 return param(self, name, _init, shape, self.dtype)
             q = param(self, name, nn.initializers.zeros, shape, scheme.dtype)
             scale_shape = (shape[0], 1 if scheme.per_tensor else shape[1])  # [E, out or 1]

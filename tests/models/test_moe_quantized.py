@@ -3,7 +3,8 @@ weights: logits, greedy tokens on 12 prompts, and on TP=2 or EP=2 as well.
 
 The checkpoints are made by llm-compressor itself from the tiny Qwen3-MoE (8 experts,
 top-3, a dense layer between sparse ones) and Mixtral (4 experts, top-2): int8 per output
-channel (W8A16, pack-quantized), float8 weights with one scale per tensor (each expert's
+channel (W8A16, pack-quantized), int4 by groups of 16 inputs (W4A16, pack-quantized;
+the experts dequantized at load), float8 weights with one scale per tensor (each expert's
 own), and float8 per output channel; llm-compressor linearises the experts and leaves the
 routers in float. The reference is Transformers' float model of the weights
 compressed-tensors dequantizes (`moe_quantized_reference.py`). Also `quantization="int8"`
@@ -39,6 +40,7 @@ ENGINE = dict(max_model_len=256, max_num_seqs=12, max_num_batched_tokens=64)
 # (architecture, llm-compressor recipe in MOE_RECIPES)
 CASES = [
     ("qwen3_moe", "w8a16-channel"),
+    ("qwen3_moe", "w4a16-g16"),
     ("qwen3_moe", "fp8-weights-tensor"),
     ("mixtral", "fp8-weights-channel"),
 ]
@@ -91,6 +93,10 @@ def test_experts_load_quantized_as_llmcompressor_wrote_them(reference, case: Pat
     params = llm.engine.runner.model.params
     layer = next(p for k, p in params["model"].items() if "mlp" in p and "experts" in p["mlp"])
     experts = layer["mlp"]["experts"]
+    if "w4a16" in case.name:  # dequantized at load: float experts, no scales
+        assert experts["gate_proj"].dtype == jnp.float32
+        assert not any(k.endswith("_scale") for k in experts)
+        return
     want = jnp.int8 if "w8a16" in case.name else jnp.float8_e4m3fn
     e, i, h = experts["gate_proj"].shape
     assert experts["gate_proj"].dtype == want and experts["down_proj"].dtype == want
@@ -122,8 +128,14 @@ def test_greedy_tokens_equal_transformers(reference) -> None:
 
 
 # Each case on two devices: int8 per-channel scales split with gate/up's outputs (TP),
+# the dequantized int4 experts split like float ones (TP),
 # per-tensor float8 scales and per-channel ones split with the experts (EP).
-TWO_DEVICES = {"w8a16-channel": False, "fp8-weights-tensor": True, "fp8-weights-channel": True}
+TWO_DEVICES = {
+    "w8a16-channel": False,
+    "w4a16-g16": False,
+    "fp8-weights-tensor": True,
+    "fp8-weights-channel": True,
+}
 
 
 def test_two_devices_equal_transformers(reference, case: Path) -> None:
@@ -163,14 +175,15 @@ def test_quantization_at_load_matches_the_dequantized_model(
 
 
 def test_unsupported_expert_schemes_are_named(made: Path, tmp_path: Path) -> None:
-    """A 4-bit grouped scheme (and float8 activations) on experts fails at load, naming
-    the scheme and what experts accept."""
+    """A scheme with zero points (asymmetric 4-bit groups) on experts fails at load,
+    naming the scheme and what experts accept."""
     src = made / "qwen3_moe" / "w8a16-channel"
     dst = tmp_path / "w4"
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     (group,) = config["quantization_config"]["config_groups"].values()
-    group["weights"].update(num_bits=4, strategy="group", group_size=32)
+    group["weights"].update(num_bits=4, strategy="group", group_size=32, symmetric=False)
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized experts in the scheme .*bits=4.*supported"):
+    named = "quantized experts in the scheme .*bits=4.*zero_points=True.*supported"
+    with pytest.raises(ValueError, match=named):
         load_model(dst)
