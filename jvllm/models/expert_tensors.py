@@ -114,8 +114,10 @@ class ExpertCheckpoint:
                 for suffix, tensor in stored.items():
                     names = [f"{prefix}{block}.experts.{n}.{leaf}.{tensor}" for n in range(e)]
                     if any(n in self.index for n in names):
-                        folded = q is not None and q.dequantized and suffix
-                        (self._scales if folded else self._sources)[model] = names
+                        if q is not None and q.dequantized and suffix:
+                            self._scales[model] = names  # folded into the weight
+                        else:
+                            self._sources[model + suffix] = names
             fused = f"{prefix}mlp.experts.gate_up_proj"
             if proj != "down_proj" and fused in self.index:
                 self._sources[model] = [fused]
