@@ -6,7 +6,9 @@ Contract. A `QuantizedExperts` stands where a float `[E, N, K]` expert projectio
 `[E, N, K]`, `scale` float32 `[E, N]` (one per expert and output channel) or `[E, 1]`
 (one per expert, a per-tensor scale), so expert e's float weight is
 `weight[e] * scale[e][:, None]`. The scale multiplies the output rows after the matmul,
-never the weight: on the CPU tile loop with the tile's own expert's row of scales, under
+never the weight; with `activations="token"` each input row is first rounded through
+float8 at its own scale (`quantize_input_rows`). On the CPU tile loop the tile's own
+expert's row of scales multiplies the outputs, under
 `ragged_dot` with each sorted row's expert's scales gathered (`scale_rows`). Every shape
 is static whatever the routing. Float projections pass through these helpers unchanged,
 so the grouped matmuls take either form.
@@ -17,10 +19,12 @@ the grouped matmuls themselves (`layers/grouped_matmul.py`, `layers/moe.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+
+from jvllm.models.quantization import quantize_tokens
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +32,9 @@ import jax.numpy as jnp
 class QuantizedExperts:
     weight: jax.Array  # [E, N, K] int8 or float8_e4m3fn
     scale: jax.Array  # [E, N] or [E, 1] float32
+    # "token": each input row is rounded through float8 e4m3 at its own max|row| / 448
+    # before the matmul (FP8 W8A8 with dynamic per-token inputs); None: float inputs.
+    activations: str | None = field(default=None, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -42,6 +49,17 @@ def expert_matrix(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
     goes on the output rows, `scale_expert_rows`)."""
     stored = w.weight if isinstance(w, QuantizedExperts) else w
     return jax.lax.dynamic_index_in_dim(stored, e, keepdims=False).astype(dtype)
+
+
+def quantize_input_rows(rows: jax.Array, w: ExpertWeight) -> jax.Array:
+    """`rows [M, K]` as `w` takes its inputs: each row rounded through float8 at its own
+    scale (and back to the rows' dtype) for per-token FP8 activations, else unchanged.
+    Rows are whole tokens (or token-expert pairs), so this is per token as compressed-
+    tensors' dynamic quantizer is."""
+    if not isinstance(w, QuantizedExperts) or w.activations is None:
+        return rows
+    xq, x_scale = quantize_tokens(rows)  # [M, K] float8, [M, 1] float32
+    return (xq.astype(jnp.float32) * x_scale).astype(rows.dtype)
 
 
 def scale_expert_rows(y: jax.Array, w: ExpertWeight, e: jax.Array) -> jax.Array:

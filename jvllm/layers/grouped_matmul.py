@@ -30,7 +30,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jvllm.layers.expert_weights import ExpertWeight, expert_matrix, scale_expert_rows
+from jvllm.layers.expert_weights import (
+    ExpertWeight,
+    expert_matrix,
+    quantize_input_rows,
+    scale_expert_rows,
+)
 
 
 def silu_and_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -113,6 +118,7 @@ def tiled_expert_mlp(
         block = jax.lax.dynamic_slice_in_dim(padded, start, tile)  # [tile, H]
 
         def mm(a: jax.Array, w: ExpertWeight) -> jax.Array:  # [tile, K] -> [tile, N]
+            a = quantize_input_rows(a, w)
             y = jax.lax.dot_general(a, expert_matrix(w, e, a.dtype), _ROWS_BY_OUT_IN)
             return scale_expert_rows(y, w, e)
 

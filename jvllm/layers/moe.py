@@ -57,6 +57,7 @@ from jvllm.layers.expert_weights import (
     ExpertWeight,
     QuantizedExperts,
     dequantized,
+    quantize_input_rows,
     scale_rows,
     stored_weight,
 )
@@ -113,6 +114,7 @@ def _grouped(
     float copy: no int8 or float8 Triton kernel yet) and each output row is scaled by
     its expert's output-channel scales."""
     stored = stored_weight(w, rows.dtype)  # [G, N, K]
+    rows = quantize_input_rows(rows, w)  # float8 per-token inputs, where w takes them
     if backend == "triton":
         from jvllm.kernels.jax_triton_grouped_matmul import grouped_matmul
 
@@ -303,4 +305,4 @@ def _spec(w: ExpertWeight, weight: P, scale: P) -> P | QuantizedExperts:
         return weight
     if w.scale.shape[1] == 1 and scale != P(AXIS, None):
         scale = P()
-    return QuantizedExperts(weight, scale)  # type: ignore[arg-type]
+    return QuantizedExperts(weight, scale, w.activations)  # type: ignore[arg-type]

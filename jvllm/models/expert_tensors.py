@@ -27,6 +27,7 @@ import numpy as np
 
 from jvllm.models.expert_quantization import (
     ExpertScheme,
+    dequantized_expert,
     expert_scale,
     expert_scheme,
     expert_weight,
@@ -87,6 +88,8 @@ class ExpertCheckpoint:
         self.scheme: ExpertScheme | None = None if isinstance(spec.quantization, str) else scheme
         # model name -> the checkpoint tensors it is made of
         self._sources: dict[str, list[str]] = {}
+        # model name -> the per-expert scales a dequantized scheme folds into its weight
+        self._scales: dict[str, list[str]] = {}
         for layer in spec.moe.sparse_layers:
             self._add_layer(f"model.layers.{layer}.")
 
@@ -111,7 +114,10 @@ class ExpertCheckpoint:
                 for suffix, tensor in stored.items():
                     names = [f"{prefix}{block}.experts.{n}.{leaf}.{tensor}" for n in range(e)]
                     if any(n in self.index for n in names):
-                        self._sources[model + suffix] = names
+                        if q is not None and q.dequantized and suffix:
+                            self._scales[model] = names  # folded into the weight
+                        else:
+                            self._sources[model + suffix] = names
             fused = f"{prefix}mlp.experts.gate_up_proj"
             if proj != "down_proj" and fused in self.index:
                 self._sources[model] = [fused]
@@ -119,7 +125,8 @@ class ExpertCheckpoint:
                 self._sources[model] = [model]
 
     def names(self) -> set[str]:
-        consumed = {n for names in self._sources.values() for n in names}
+        everything = [*self._sources.values(), *self._scales.values()]
+        consumed = {n for names in everything for n in names}
         return (self.index.names() - consumed) | set(self._sources)
 
     def __contains__(self, name: str) -> bool:
@@ -149,19 +156,44 @@ class ExpertCheckpoint:
             parts = [self.index.array(n) for n in sources]
             if self.scheme is None:
                 return StackedExperts(parts)
+            if self.scheme.dequantized:
+                return self._dequantized(name, sources, parts)
             if name.endswith("_scale"):
                 return StackedExperts(parts, expert_scale)
             scheme = self.scheme
             out, cols = parts[0].shape
             shape = (out, cols * 4) if scheme.packed else (out, cols)
             return StackedExperts(parts, lambda a: expert_weight(a, scheme), shape)
-        whole = self.index.array(sources[0])
-        if not sources[0].endswith(".gate_up_proj"):
+        return self._fused(name, sources[0])
+
+    def _dequantized(
+        self, name: str, sources: list[str], packed: list[np.ndarray]
+    ) -> StackedExperts:
+        """Packed int experts and their group scales -> a float32 `[E, out, in]` view."""
+        scales = self._scales.get(name, [])
+        missing = [n for n in scales if n not in self.index] or ([] if scales else [name])
+        if missing:
+            raise ValueError(f"checkpoint lacks expert tensor {missing[0]!r} (the scale)")
+        read = [self.index.array(n) for n in scales]
+        parts = list(zip(packed, read, sources, strict=True))  # per expert: words, scale, name
+        scheme = self.scheme
+        assert scheme is not None
+        out, words = packed[0].shape
+        return StackedExperts(
+            parts,  # type: ignore[arg-type]
+            lambda p: dequantized_expert(p[:2], scheme, p[2]),
+            (out, words * 32 // scheme.bits),
+        )
+
+    def _fused(self, name: str, source: str) -> np.ndarray | StackedExperts:
+        """A fused tensor (`gate_up_proj`'s half, or `down_proj`) as `[E, out, in]`."""
+        whole = self.index.array(source)
+        if not source.endswith(".gate_up_proj"):
             return whole
         half = self.spec.moe.intermediate_size
         if whole.shape[1] != 2 * half:
             raise ValueError(
-                f"{self.index.file(sources[0])}: tensor {sources[0]!r} has shape "
+                f"{self.index.file(source)}: tensor {source!r} has shape "
                 f"{whole.shape}, expected [E, {2 * half}, H] from config.json"
             )
         rows = slice(0, half) if name.endswith(".gate_proj") else slice(half, 2 * half)

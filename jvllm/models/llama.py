@@ -205,12 +205,12 @@ class Experts(nn.Module):
         scheme = expert_scheme(s.quantization, s.architecture)
 
         def weight(name: str, shape: tuple[int, int, int]) -> ExpertWeight:
-            if scheme is None:
+            if scheme is None or scheme.dequantized:
                 return param(self, name, _init, shape, self.dtype)
             q = param(self, name, nn.initializers.zeros, shape, scheme.dtype)
             scale_shape = (shape[0], 1 if scheme.per_tensor else shape[1])  # [E, out or 1]
             scale = param(self, f"{name}_scale", nn.initializers.ones, scale_shape, jnp.float32)
-            return QuantizedExperts(q, scale)
+            return QuantizedExperts(q, scale, scheme.activations)
 
         w_gate, w_up = weight("gate_proj", (e, i, h)), weight("up_proj", (e, i, h))
         w_down = weight("down_proj", (e, h, i))

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.models import orbax_checkpoint
-from jvllm.models.expert_quantization import expert_scheme, scale_name
+from jvllm.models.expert_quantization import check_expert_split, expert_scheme, scale_name
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
@@ -223,7 +223,8 @@ def check_experts(spec: ModelSpec, mesh: Mesh | None) -> None:
                 f"{spec.architecture} has no experts"
             )
         return
-    expert_scheme(spec.quantization, spec.architecture)  # raises for what experts cannot take
+    scheme = expert_scheme(spec.quantization, spec.architecture)  # raises if experts cannot
+    check_expert_split(scheme, tp_size(mesh), spec.expert_parallel, spec.architecture)
     pp = pp_size(mesh)
     if pp > 1 and spec.num_layers % pp == 0:
         per_stage = spec.num_layers // pp

@@ -35,8 +35,11 @@ def device_kv_blocks(
     """KV blocks (the null block among them) for `block_bytes` blocks on the engine's
     first device, or None where it reports no memory statistics (CPU devices). What is
     allocated there already (a training state beside the engine) counts as in use."""
-    # The engine's first device: the caller's (LLM(mesh=...)) may not be device 0.
-    device = jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]
+    # The engine's first device of this process: the caller's (LLM(mesh=...)) may not be
+    # device 0, and on several processes the mesh's first may be another process's.
+    local = jax.process_index()
+    mine = [] if mesh is None else [d for d in mesh.devices.flat if d.process_index == local]
+    device = mine[0] if mine else jax.local_devices()[0]
     if "bytes_limit" not in (device.memory_stats() or {}):
         if device.platform != "cpu":
             logger.warning(

@@ -60,6 +60,10 @@ MOE_RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     # int8 symmetric per output channel (W8A16), pack-quantized.
     "w8a16-channel": _weights_only({"num_bits": 8, "type": "int", "symmetric": True,
                                     "strategy": "channel"}),
+    # int4 symmetric by groups of 16 (W4A16), pack-quantized; 16 divides the tiny
+    # Qwen3-MoE's dense down_proj inputs on each of two devices (96 / 2).
+    "w4a16-g16": _weights_only({"num_bits": 4, "type": "int", "symmetric": True,
+                                "strategy": "group", "group_size": 16}),
     # float8 weights per output channel, float inputs.
     "fp8-weights-channel": _weights_only({"num_bits": 8, "type": "float", "symmetric": True,
                                           "strategy": "channel"}),

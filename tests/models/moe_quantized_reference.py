@@ -5,7 +5,9 @@ an llm-compressor checkpoint (int8 packed in int32 words, or float8, with its sc
 back into the float weight it stands for; the float tensors are kept as stored. Mixtral's
 experts, which llm-compressor writes under its linearised module names
 (`block_sparse_moe.experts.N.gate_proj`), get the Hub's names (`w1`, `w3`, `w2`) that
-Transformers reads. Nothing here uses jvllm.
+Transformers reads. For float8 *inputs* (FP8_DYNAMIC), which the float weights alone
+do not compute, `write_compressed_tensors_outputs` runs the quantized checkpoint itself
+on llm-compressor's linearised experts. Nothing here uses jvllm's model code.
 """
 
 from __future__ import annotations
@@ -65,3 +67,32 @@ def write_dequantized(src: Path, dst: Path) -> Path:
         if f.name.startswith(("tokenizer", "generation_config", "chat_template")):
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def write_compressed_tensors_outputs(
+    src: Path, prompts: list[list[int]], new_tokens: int, eos: int, dst: Path
+) -> None:
+    """Transformers running `src` as compressed-tensors runs it, on llm-compressor's
+    linearised experts (each expert's projections `nn.Linear`s that compressed-tensors
+    quantizes, float8 per-token inputs included): the first prompt's logits and every
+    prompt's greedy tokens, as JSON in `dst`. Run it in a process of its own:
+    `load_quantizable_moe` leaves its conversion mappings registered in Transformers."""
+    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from transformers import AutoModelForCausalLM
+
+    from jvllm.testing.hf_runner import hf_greedy
+
+    with load_quantizable_moe():
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    assert hf.model.layers[0].mlp.experts[0].down_proj.quantization_scheme is not None
+    # The linearised experts see `[tokens, in]` inputs, on which compressed-tensors'
+    # per-token quantizer (it keeps dims 0 and 1) takes one scale for them all; seen as
+    # `[1, tokens, in]`, as a dense layer's `[batch, seq, in]`, each token gets its own.
+    for name, module in hf.named_modules():
+        if ".experts." in name and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, args: (args[0][None],))
+            module.register_forward_hook(lambda m, args, out: out[0])
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[0]])).logits[0].float()
+    greedy = [hf_greedy(hf, ids, new_tokens, eos) for ids in prompts]
+    dst.write_text(json.dumps({"logits": logits.tolist(), "greedy": greedy}))

@@ -164,8 +164,10 @@ def test_quantized_experts_refused_unless_supported(moe_checkpoints):
     from jvllm.models.quantization import PackedWeights
 
     assert expert_scheme("int8", "OlmoeForCausalLM").storage == "int8"
-    with pytest.raises(ValueError, match="quantized experts in the scheme"):
-        expert_scheme(PackedWeights(4, 32), "OlmoeForCausalLM")
+    assert expert_scheme(PackedWeights(4, 32), "OlmoeForCausalLM").dequantized
+    for refused in (PackedWeights(4, 32, zero_points=True), PackedWeights(4, 32, False, True)):
+        with pytest.raises(ValueError, match="quantized experts in the scheme"):
+            expert_scheme(refused, "OlmoeForCausalLM")
 
 
 def test_expert_parallel_needs_experts(tmp_path, tokenizer_dir):

@@ -3,7 +3,8 @@ weights: logits, greedy tokens on 12 prompts, and on TP=2 or EP=2 as well.
 
 The checkpoints are made by llm-compressor itself from the tiny Qwen3-MoE (8 experts,
 top-3, a dense layer between sparse ones) and Mixtral (4 experts, top-2): int8 per output
-channel (W8A16, pack-quantized), float8 weights with one scale per tensor (each expert's
+channel (W8A16, pack-quantized), int4 by groups of 16 inputs (W4A16, pack-quantized;
+the experts dequantized at load), float8 weights with one scale per tensor (each expert's
 own), and float8 per output channel; llm-compressor linearises the experts and leaves the
 routers in float. The reference is Transformers' float model of the weights
 compressed-tensors dequantizes (`moe_quantized_reference.py`). Also `quantization="int8"`
@@ -39,9 +40,13 @@ ENGINE = dict(max_model_len=256, max_num_seqs=12, max_num_batched_tokens=64)
 # (architecture, llm-compressor recipe in MOE_RECIPES)
 CASES = [
     ("qwen3_moe", "w8a16-channel"),
+    ("qwen3_moe", "w4a16-g16"),
     ("qwen3_moe", "fp8-weights-tensor"),
     ("mixtral", "fp8-weights-channel"),
 ]
+# FP8 W8A8 (float8 weights per channel, dynamic per-token float8 inputs): its reference
+# is compressed-tensors running the checkpoint itself, in a process of its own.
+W8A8 = ("qwen3_moe", "fp8-dynamic")
 _PRODUCE = """
 import sys
 from pathlib import Path
@@ -61,7 +66,8 @@ def made(moe_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     """Every case's checkpoint, by llm-compressor in one subprocess."""
     src = next(iter(moe_checkpoints.values())).parent
     root = tmp_path_factory.mktemp("moe-llmcompressor")
-    cmd = [sys.executable, "-c", _PRODUCE.format(cases=CASES), str(src), str(root)]
+    cases = [*CASES, W8A8]
+    cmd = [sys.executable, "-c", _PRODUCE.format(cases=cases), str(src), str(root)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return root
@@ -91,6 +97,10 @@ def test_experts_load_quantized_as_llmcompressor_wrote_them(reference, case: Pat
     params = llm.engine.runner.model.params
     layer = next(p for k, p in params["model"].items() if "mlp" in p and "experts" in p["mlp"])
     experts = layer["mlp"]["experts"]
+    if "w4a16" in case.name:  # dequantized at load: float experts, no scales
+        assert experts["gate_proj"].dtype == jnp.float32
+        assert not any(k.endswith("_scale") for k in experts)
+        return
     want = jnp.int8 if "w8a16" in case.name else jnp.float8_e4m3fn
     e, i, h = experts["gate_proj"].shape
     assert experts["gate_proj"].dtype == want and experts["down_proj"].dtype == want
@@ -122,8 +132,14 @@ def test_greedy_tokens_equal_transformers(reference) -> None:
 
 
 # Each case on two devices: int8 per-channel scales split with gate/up's outputs (TP),
+# the dequantized int4 experts split like float ones (TP),
 # per-tensor float8 scales and per-channel ones split with the experts (EP).
-TWO_DEVICES = {"w8a16-channel": False, "fp8-weights-tensor": True, "fp8-weights-channel": True}
+TWO_DEVICES = {
+    "w8a16-channel": False,
+    "w4a16-g16": False,
+    "fp8-weights-tensor": True,
+    "fp8-weights-channel": True,
+}
 
 
 def test_two_devices_equal_transformers(reference, case: Path) -> None:
@@ -163,14 +179,85 @@ def test_quantization_at_load_matches_the_dequantized_model(
 
 
 def test_unsupported_expert_schemes_are_named(made: Path, tmp_path: Path) -> None:
-    """A 4-bit grouped scheme (and float8 activations) on experts fails at load, naming
-    the scheme and what experts accept."""
+    """A scheme with zero points (asymmetric 4-bit groups) on experts fails at load,
+    naming the scheme and what experts accept."""
     src = made / "qwen3_moe" / "w8a16-channel"
     dst = tmp_path / "w4"
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     (group,) = config["quantization_config"]["config_groups"].values()
-    group["weights"].update(num_bits=4, strategy="group", group_size=32)
+    group["weights"].update(num_bits=4, strategy="group", group_size=32, symmetric=False)
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized experts in the scheme .*bits=4.*supported"):
+    named = "quantized experts in the scheme .*bits=4.*zero_points=True.*supported"
+    with pytest.raises(ValueError, match=named):
         load_model(dst)
+
+
+_W8A8_REFERENCE = """
+import json, sys
+from pathlib import Path
+from tests.models.moe_quantized_reference import write_compressed_tensors_outputs
+args = json.loads(sys.argv[1])
+write_compressed_tensors_outputs(Path(args["src"]), args["prompts"], args["new"],
+                                 args["eos"], Path(args["dst"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def w8a8(made: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, LLM]:
+    """The FP8_DYNAMIC checkpoint, compressed-tensors' outputs on it and jvllm on it."""
+    src = made / W8A8[0] / W8A8[1]
+    llm = LLM(str(src), **ENGINE)
+    dst = tmp_path_factory.mktemp("w8a8") / "reference.json"
+    args = dict(src=str(src), prompts=[prompts()[6], *prompts()], new=NEW_TOKENS, dst=str(dst))
+    args["eos"] = llm.get_tokenizer().eos_token_id
+    cmd = [sys.executable, "-c", _W8A8_REFERENCE, json.dumps(args)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return src, json.loads(dst.read_text()), llm
+
+
+def test_fp8_dynamic_experts_match_compressed_tensors(w8a8) -> None:
+    """float8 experts with per-token float8 inputs: logits within float32 tolerance (but
+    where a float8 rounding flips) and greedy tokens on 12 prompts (all but at most one)
+    equal compressed-tensors' run of the checkpoint; float inputs (the weights alone)
+    are further off."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.moe_quantized_reference import write_dequantized
+
+    src, ref, llm = w8a8
+    params = llm.engine.runner.model.params["model"]
+    layer = next(p for p in params.values() if "mlp" in p and "experts" in p["mlp"])
+    assert layer["mlp"]["experts"]["down_proj"].dtype == jnp.float8_e4m3fn
+    ids = prompts()[6]
+    (got,) = llm.engine.runner.forward_logits([prompt_row(ids)], every_token=True)
+    want = np.asarray(ref["logits"], np.float32)  # [T, V]
+    tol = 1e-4 * max(1.0, float(np.abs(want).max()))
+    # A value that float32 noise puts on the other side of a float8 rounding midpoint
+    # moves its own token's logits alone (seen: 2 of these 63 positions, the others
+    # within 2e-6); nine in ten positions must be within float32 tolerance.
+    assert (np.abs(got - want).max(axis=-1) <= tol).mean() >= 0.9
+    floats = write_dequantized(src, src.parent / "fp8-dynamic-weights-only")
+    weights_only = AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval()
+    assert (np.abs(hf_logits(weights_only, ids) - want).max(axis=-1) > 1e-2).mean() > 0.5
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    got_tokens = [list(o.outputs[0].token_ids) for o in outs]
+    # Such a flip can also decide a near-tie between two tokens: seen once in 96 steps
+    # (prompt 8, step 6: 310 against 13); every other prompt is equal throughout.
+    equal = [g == w for g, w in zip(got_tokens, ref["greedy"][1:], strict=True)]
+    assert sum(equal) >= len(equal) - 1, equal
+
+
+def test_fp8_dynamic_experts_expert_parallel_and_tp_refused(w8a8) -> None:
+    """EP=2 keeps one device's greedy tokens; TP=2 without EP, which would split a
+    token's down_proj input over devices (and with it its float8 scale), is refused."""
+    src, ref, _ = w8a8
+    llm = LLM(str(src), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    batch = prompts()[:6]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref["greedy"][1:7]
+    with pytest.raises(ValueError, match="FP8_DYNAMIC.*tensor_parallel_size=2.*expert_par"):
+        LLM(str(src), tensor_parallel_size=2, **ENGINE)

@@ -1,6 +1,6 @@
 """One process of the two-process tests (run by test_multihost.py): argv is the model,
 the coordinator address, this process's id, the output file, and optionally the
-tensor- and pipeline-parallel sizes (default 4 and 1)."""
+tensor- and pipeline-parallel sizes (default 4 and 1) and "ep" for expert parallelism."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from jvllm import LLM, SamplingParams
 def main() -> None:
     model, address, process_id, out_file = sys.argv[1:5]
     tp, pp = (int(a) for a in sys.argv[5:7]) if len(sys.argv) > 5 else (4, 1)
+    expert_parallel = sys.argv[7:8] == ["ep"]
     llm = LLM(
         model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        enable_expert_parallel=expert_parallel,
         coordinator_address=address,
         num_processes=2,
         process_id=int(process_id),
