@@ -354,11 +354,11 @@ class AsyncLLM:
             if not command.done.set_running_or_notify_cancel():
                 continue  # the caller left before its request was added: skip it
             try:
-                c, lora = command, command.lora_request  # passed on only when there is one
-                lora_kwargs = {} if lora is None else {"lora_request": lora}
-                self._engine.add_request(
-                    c.request_id, c.prompt, c.params, c.arrival, priority=c.priority, **lora_kwargs
-                )
+                c = command  # priority and adapter passed on only when set (engine fakes)
+                extra: dict[str, Any] = {"priority": c.priority} if c.priority else {}
+                if c.lora_request is not None:
+                    extra["lora_request"] = c.lora_request
+                self._engine.add_request(c.request_id, c.prompt, c.params, c.arrival, **extra)
             except ValueError as e:  # InvalidRequestError keeps the field it names
                 command.done.set_exception(e)
                 continue

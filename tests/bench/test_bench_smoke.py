@@ -167,7 +167,8 @@ def test_host_instructions_small(tmp_path: Path) -> None:
     toggles = written["config"]["toggle_instructions"]["jvllm"]
     assert 0 < toggles < 5_000_000
     assert 100_000 < row["jvllm"]["per_step"] < 5_000_000
-    assert row["jvllm"]["per_sequence"] == round(row["jvllm"]["per_step"] / 8)
+    # Both are rounded from the unrounded per-step mean: they agree to within one.
+    assert abs(row["jvllm"]["per_sequence"] - row["jvllm"]["per_step"] / 8) <= 1
 
 
 def test_host_instructions_rejects_unknown_kinds() -> None:
