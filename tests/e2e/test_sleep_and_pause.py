@@ -146,7 +146,8 @@ async def run_modes(engine: AsyncLLM, reference: list[list[int]]) -> None:
         held = asyncio.create_task(
             engine.add_request("held", {"prompt_token_ids": PAUSE_PROMPTS[0]}, LONG)
         )
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the add queues its command
+        await engine.call(lambda _: None)  # applied after it, in order: the add was seen
         assert not held.done()
         await engine.resume_generation()
         assert not await engine.is_paused()
@@ -166,7 +167,8 @@ async def run_modes(engine: AsyncLLM, reference: list[list[int]]) -> None:
         await anext(streams[0])
         await engine.pause_generation(mode="keep")
         generated = engine.metrics()["generation_tokens"]
-        await asyncio.sleep(0.05)
+        for _ in range(3):  # engine-loop round trips, each between steps
+            await engine.call(lambda _: None)
         assert engine.metrics()["generation_tokens"] == generated
         await engine.resume_generation()
         ends = [await last(s) for s in streams]
