@@ -38,6 +38,7 @@ from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import Speculator, verify
 from jvllm.engine.step_io import (
+    KVTransfer,
     PendingResult,
     SamplingColumns,
     ScheduledRequest,
@@ -117,6 +118,7 @@ class LLMEngine:
             speculates=self.speculator is not None,
             drafts_every_row=self.speculator is not None and self.speculator.wants_every_row,
         )
+        self.kv_transfer: KVTransfer | None = None  # the fs KV tier's (jvllm.kv_offload)
         self.sampling_batch = SamplingBatch()  # the rows' sampling columns, by slot
         self._aborted_outputs: list[RequestOutput] = []  # returned by the next step
         # Drafts are proposed from the tokens of the step before: no overlap.
@@ -299,6 +301,9 @@ class LLMEngine:
 
     def _queue_block_moves(self, sched: SchedulerOutput) -> None:
         """Queues the step's swaps and copies before its forward."""
+        disk_tier = self.scheduler.kv_cache_manager.disk_tier
+        if disk_tier is not None and self.kv_transfer is not None:
+            disk_tier.complete(self.kv_transfer.submit(disk_tier.take_ops()))
         if sched.blocks_to_swap_out:
             self.runner.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:

@@ -1,0 +1,78 @@
+"""Wiring the file-system KV tier into an engine built by `EngineArgs`.
+
+Owns turning the flags (`kv_transfer_config`, or `kv_offload_dir` and its size) into
+the host tier's size, the layout fingerprint, the block store and its IO threads on
+the runner side, and the engine's `DiskPrefixTier`. Decides nothing per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from jvllm.engine.kv.disk_tier import DiskPrefixTier
+from jvllm.kv_offload.config import GIB, KVOffloadConfig, resolve_offload
+from jvllm.kv_offload.fs_store import HEADER, FsBlockStore, layout_fingerprint
+from jvllm.kv_offload.fs_worker import FsKVWorker
+
+if TYPE_CHECKING:
+    from jvllm.engine.llm_engine import LLMEngine
+    from jvllm.engine_args import EngineArgs
+
+
+def offload_config(args: EngineArgs) -> KVOffloadConfig | None:
+    return resolve_offload(args.kv_transfer_config, args.kv_offload_dir, args.kv_offload_dir_size)
+
+
+def host_tier_gib(args: EngineArgs) -> float:
+    """The host tier's GiB per device: `kv_offloading_size`, or the config's
+    `cpu_bytes_to_use` (bytes in all, as vLLM counts them) over the devices."""
+    config = offload_config(args)
+    if args.kv_offloading_size or config is None or config.cpu_bytes is None:
+        return args.kv_offloading_size
+    devices = args.tensor_parallel_size * args.pipeline_parallel_size
+    return config.cpu_bytes / GIB / devices
+
+
+def attach_fs_tier(engine: LLMEngine, runner: Any, args: EngineArgs, dtype: Any) -> None:
+    """Puts the fs tier below the engine's host tier when the flags ask for one."""
+    config = offload_config(args)
+    if config is None:
+        return
+    kv = engine.scheduler.kv_cache_manager
+    if kv.host_tier is None:
+        raise ValueError(
+            "the fs KV tier sits below the host tier: set kv_offloading_size (GiB per "
+            "device) or cpu_bytes_to_use > 0, with prefix caching on"
+        )
+    caches = runner.host_caches
+    axis = 1 if runner.blocks.pp > 1 else 0
+    layout = [
+        [list(a.shape[:axis] + a.shape[axis + 1 :]), str(a.dtype)]
+        for kv_pair in caches
+        for a in kv_pair
+    ]
+    identity = {
+        "model": args.model,
+        "dtype": str(dtype),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
+        "block_size": args.block_size,
+        "layout": layout,
+    }
+    fingerprint = layout_fingerprint(identity)
+    store = FsBlockStore(config.root_dir, fingerprint)
+    worker = FsKVWorker(store, caches, axis, runner.blocks.settle)
+    max_blocks = config.max_bytes // (worker.block_bytes + HEADER.size)
+    kv.disk_tier = DiskPrefixTier(
+        fingerprint, max_blocks, store.scan(), kv.host_tier, kv.block_pool
+    )
+    engine.kv_transfer = worker
+
+
+def flush_fs_tier(engine: LLMEngine) -> None:
+    """Waits until every block the engine asked to save is on disk (or dropped)."""
+    tier = engine.scheduler.kv_cache_manager.disk_tier
+    if tier is not None and engine.kv_transfer is not None:
+        tier.complete(engine.kv_transfer.drain())
+        engine.kv_transfer.submit(tier.take_ops())  # deletes the bound asked for
+        tier.complete(engine.kv_transfer.drain())
