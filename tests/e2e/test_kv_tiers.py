@@ -78,8 +78,9 @@ def offload_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kv_offload")
 
 
-def test_prefix_comes_back_from_disk(checkpoints, prompts, reference, offload_dir):
-    llm = LLM(str(checkpoints["llama"]), kv_offload_dir=str(offload_dir), **ENGINE)
+def _evict_to_disk_and_read_back(llm: LLM, prompts, reference) -> None:
+    """Runs a, b and two flushers (a's blocks leave the device, then the host tier),
+    then a again: all its full blocks come from disk."""
     tier = _tier(llm)
     assert llm.get_metrics()["num_tier_blocks"] == 19
     for name in ("a", "b", "flush1", "flush2"):
@@ -92,6 +93,24 @@ def test_prefix_comes_back_from_disk(checkpoints, prompts, reference, offload_di
     # None of a's blocks was on the device or in the host tier: all 12 came from disk.
     assert tier.num_read_blocks == 12 and tier.num_failed_reads == 0
     assert llm.get_metrics()["prefix_cache_host_hits"] - host_hits == 12 * BLOCK
+
+
+def test_prefix_comes_back_from_disk(checkpoints, prompts, reference, offload_dir):
+    llm = LLM(str(checkpoints["llama"]), kv_offload_dir=str(offload_dir), **ENGINE)
+    _evict_to_disk_and_read_back(llm, prompts, reference)
+
+
+def test_tensor_parallel_blocks_are_whole(checkpoints, prompts, reference, offload_dir, tmp_path):
+    """Under TP=2 each file holds the whole block (every device's heads): the same
+    layout, so the same sub-directory, as one device's."""
+    # A host block holds both devices' halves: half the GiB per device, 19 blocks.
+    engine = {**ENGINE, "kv_offloading_size": ENGINE["kv_offloading_size"] / 2}
+    llm = LLM(
+        str(checkpoints["llama"]), kv_offload_dir=str(tmp_path), tensor_parallel_size=2, **engine
+    )
+    _evict_to_disk_and_read_back(llm, prompts, reference)
+    store = llm.engine.kv_transfer.store
+    assert [d.name for d in offload_dir.iterdir()] == [store.directory.name]
 
 
 def test_new_engine_hits_the_directory_and_corrupt_files_miss(
