@@ -264,7 +264,9 @@ class LLMEngine:
     # -- one step --
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests) or self._in_flight is not None
+        tier = self.scheduler.kv_cache_manager.disk_tier
+        sending = tier is not None and tier.busy  # a producer's blocks still going out
+        return bool(self.output_processor.requests) or self._in_flight is not None or sending
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedules and queues one device step, commits the step before it (or,

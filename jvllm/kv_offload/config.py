@@ -13,17 +13,23 @@ from dataclasses import dataclass
 from typing import Any
 
 GIB = 1 << 30
-CONNECTORS = ("OffloadingConnector",)
+CONNECTORS = ("OffloadingConnector", "SocketConnector")
 ROLES = ("kv_both",)
+TRANSFER_ROLES = ("kv_producer", "kv_consumer")
+DEFAULT_KV_PORT = 14579
+DEFAULT_BUFFER_BYTES = 1 << 30
 SPECS = ("TieringOffloadingSpec",)
 DEFAULT_DIR_GIB = 16.0
 
 
 @dataclass(frozen=True)
 class KVOffloadConfig:
-    root_dir: str  # the fs tier's directory (one sub-directory per model layout)
-    max_bytes: int  # LRU bound of that sub-directory's block files
+    root_dir: str | None  # the fs tier's directory (one sub-directory per model layout)
+    max_bytes: int  # LRU bound of that sub-directory's block files (or received blocks)
     cpu_bytes: int | None = None  # the host tier's bytes, when the dict sets them
+    kv_role: str = "kv_both"  # or disaggregated prefill's kv_producer / kv_consumer
+    kv_ip: str = "127.0.0.1"  # where the consumer listens
+    kv_port: int = DEFAULT_KV_PORT
 
 
 def _fail(what: str, value: Any, accepted: str) -> ValueError:
@@ -36,6 +42,8 @@ def parse_kv_transfer_config(value: dict[str, Any] | str) -> KVOffloadConfig:
     connector = config.get("kv_connector")
     if connector not in CONNECTORS:
         raise _fail("kv_connector", connector, f"accepted: {', '.join(CONNECTORS)}")
+    if connector == "SocketConnector":
+        return _socket_config(config)
     role = config.get("kv_role", "kv_both")
     if role not in ROLES:
         raise _fail("kv_role", role, f"accepted with {connector}: {', '.join(ROLES)}")
@@ -72,3 +80,20 @@ def resolve_offload(
     if not kv_offload_dir_size > 0:
         raise ValueError(f"kv_offload_dir_size must be GiB > 0, got {kv_offload_dir_size!r}")
     return KVOffloadConfig(kv_offload_dir, int(kv_offload_dir_size * GIB))
+
+
+def _socket_config(config: dict[str, Any]) -> KVOffloadConfig:
+    """Disaggregated prefill over a local socket: vLLM's kv_role, kv_ip, kv_port and
+    kv_buffer_size (the bytes of received blocks a consumer keeps)."""
+    role = config.get("kv_role")
+    if role not in TRANSFER_ROLES:
+        raise _fail("kv_role", role, f"accepted with SocketConnector: {', '.join(TRANSFER_ROLES)}")
+    port = config.get("kv_port", DEFAULT_KV_PORT)
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise _fail("kv_port", port, "give a TCP port number")
+    size = config.get("kv_buffer_size", DEFAULT_BUFFER_BYTES)
+    if not isinstance(size, int | float) or size <= 0:
+        raise _fail("kv_buffer_size", size, "give a number of bytes > 0")
+    cpu = (config.get("kv_connector_extra_config") or {}).get("cpu_bytes_to_use")
+    ip = str(config.get("kv_ip", "127.0.0.1"))
+    return KVOffloadConfig(None, int(size), None if cpu is None else int(cpu), role, ip, port)

@@ -48,6 +48,20 @@ def layout_fingerprint(identity: dict[str, Any]) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
+def frame_header(key: str, fingerprint: bytes, payload: bytes | memoryview) -> bytes:
+    """The header a block's bytes are stored (or sent) behind."""
+    return HEADER.pack(MAGIC, bytes.fromhex(key), fingerprint, len(payload), zlib.crc32(payload))
+
+
+def checked_key(header: bytes, payload: bytes, fingerprint: bytes, num_bytes: int) -> str | None:
+    """The key a header names when it and the payload are intact and of this layout."""
+    if len(header) != HEADER.size:
+        return None
+    magic, key, layout, length, crc = HEADER.unpack(header)
+    intact = magic == MAGIC and layout == fingerprint and length == num_bytes == len(payload)
+    return key.hex() if intact and zlib.crc32(payload) == crc else None
+
+
 class FsBlockStore(KVConnectorBase):
     def __init__(self, root_dir: str | Path, fingerprint: bytes) -> None:
         self.fingerprint = fingerprint
@@ -72,9 +86,7 @@ class FsBlockStore(KVConnectorBase):
         return self.path(key).is_file()
 
     def save_block(self, key: str, payload: bytes | memoryview) -> None:
-        header = HEADER.pack(
-            MAGIC, bytes.fromhex(key), self.fingerprint, len(payload), zlib.crc32(payload)
-        )
+        header = frame_header(key, self.fingerprint, payload)
         final = self.path(key)
         temp = final.with_name(f"{final.name}.tmp{os.getpid()}.{threading.get_ident()}")
         try:
@@ -96,15 +108,9 @@ class FsBlockStore(KVConnectorBase):
         except OSError:
             return None
         payload = data[HEADER.size :]
-        if len(data) >= HEADER.size:
-            magic, file_key, layout, length, crc = HEADER.unpack_from(data)
-            if (
-                (magic, file_key, layout) == (MAGIC, bytes.fromhex(key), self.fingerprint)
-                and length == num_bytes == len(payload)
-                and zlib.crc32(payload) == crc
-            ):
-                os.utime(path)  # most recently used, for the next start's LRU order
-                return payload
+        if checked_key(data[: HEADER.size], payload, self.fingerprint, num_bytes) == key:
+            os.utime(path)  # most recently used, for the next start's LRU order
+            return payload
         _unlink(path)
         return None
 

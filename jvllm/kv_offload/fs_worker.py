@@ -46,6 +46,7 @@ class FsKVWorker:
         self._writes: queue.Queue[tuple[str, Any] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
         self._reads: queue.Queue[tuple[str, int] | None] = queue.Queue()
         self._done: deque[KVIODone] = deque()
+        self.receiver: Any = None  # a transfer's receiving end, when this is a consumer
         self._threads = [
             threading.Thread(target=self._write_loop, name="jvllm-kv-write", daemon=True),
             threading.Thread(target=self._read_loop, name="jvllm-kv-read", daemon=True),
@@ -67,6 +68,10 @@ class FsKVWorker:
         for read in ops.reads:
             self._reads.put(read)
         return self.poll()
+
+    def announce(self, key: str) -> None:
+        """A block another process put in the store (a transfer's receiver): a new hit."""
+        self._done.append(KVIODone(key, False, True))
 
     def poll(self) -> list[KVIODone]:
         done = []

@@ -7,6 +7,8 @@ directory hits it; a truncated or altered file is a miss, and outputs stay exact
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,8 @@ def test_new_engine_hits_the_directory_and_corrupt_files_miss(
     [
         ({"kv_connector": "LMCacheConnectorV1"}, "kv_connector 'LMCacheConnectorV1'"),
         ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}, "kv_role"),
+        ({"kv_connector": "SocketConnector", "kv_role": "kv_both"}, "kv_role 'kv_both'"),
+        ({"kv_connector": "SocketConnector", "kv_role": "kv_consumer", "kv_port": -2}, "kv_port"),
         (
             {
                 "kv_connector": "OffloadingConnector",
@@ -175,3 +179,36 @@ def test_new_engine_hits_the_directory_and_corrupt_files_miss(
 def test_bad_kv_transfer_config_is_named(config, message):
     with pytest.raises(ValueError, match=message):
         parse_kv_transfer_config(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_disaggregated_prefill_in_process(checkpoints, prompts, reference):
+    """A producer engine prefills (max_tokens=1, as vLLM's example) and sends the
+    prompt's blocks over a local socket; the consumer engine hits all of them and
+    decodes Transformers' tokens."""
+    port = _free_port()
+    config = {"kv_connector": "SocketConnector", "kv_ip": "127.0.0.1", "kv_port": port}
+    path = str(checkpoints["llama"])
+    consumer = LLM(path, kv_transfer_config={**config, "kv_role": "kv_consumer"}, **ENGINE)
+    producer = LLM(path, kv_transfer_config={**config, "kv_role": "kv_producer"}, **ENGINE)
+    try:
+        first = (
+            producer.generate(
+                [{"prompt_token_ids": prompts["a"]}], SamplingParams(temperature=0.0, max_tokens=1)
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
+        assert first == reference["a"][:1]
+        flush_fs_tier(producer.engine)
+        assert _tier(producer).num_written_blocks == 12  # sent and acknowledged
+        assert _generate(consumer, prompts["a"]) == reference["a"]
+        assert _tier(consumer).num_read_blocks == 12
+        assert consumer.get_metrics()["prefix_cache_hits"] == 12 * BLOCK
+    finally:
+        consumer.engine.kv_transfer.receiver.close()

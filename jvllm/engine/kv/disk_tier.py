@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -47,8 +47,13 @@ class DiskPrefixTier:
         present: Iterable[str],
         host_tier: HostPrefixTier,
         block_pool: BlockPool,
+        role: str = "kv_both",
+        poll: Callable[[], list[KVIODone]] | None = None,
     ) -> None:
-        """`present`: keys of the files found at start, least recently used first."""
+        """`present`: keys of the files found at start, least recently used first.
+        `role`: "kv_both" (save what the device evicts, read ahead), "kv_producer"
+        (send every finished request's blocks; no reads) or "kv_consumer" (read ahead
+        what a producer sent). `poll` gives what finished since (for fresh lookups)."""
         if max_blocks < 1:
             raise ValueError(f"the fs KV tier must hold at least one block, got {max_blocks}")
         self._fingerprint = fingerprint
@@ -61,6 +66,9 @@ class DiskPrefixTier:
         self._waiting: dict[str, list[str]] = {}  # request id -> keys it waits for
         self._tried: set[str] = set()
         self._ops = KVIOOps()
+        self.role = role
+        self._poll = poll
+        self._pushing: dict[str, int] = {}  # key -> the host block it is sent from
         self.num_written_blocks = 0
         self.num_read_blocks = 0  # read back into the host tier
         self.num_failed_reads = 0  # missing, torn or altered files: misses
@@ -80,8 +88,41 @@ class DiskPrefixTier:
         ops, self._ops = self._ops, KVIOOps()
         return ops
 
+    @property
+    def busy(self) -> bool:
+        """Whether a producer still has blocks to send (the engine keeps stepping)."""
+        return bool(self._pushing)
+
+    def refresh(self) -> None:
+        """Takes what finished since the last step into account (blocks just received)."""
+        if self._poll is not None:
+            self.complete(self._poll())
+
+    def push(self, table: list[int], content_ids: list[int]) -> list[tuple[int, int]]:
+        """A producer's request is done with its blocks: its cached full blocks not sent
+        lately go to host blocks (the (device, host) copies returned) and are sent."""
+        if self.role != "kv_producer":
+            return []
+        pairs = []
+        for block, content_id in zip(table, content_ids, strict=False):
+            cached = self._pool.cached_block(block)
+            if cached is None or cached.content_id != content_id:
+                continue
+            key = self.key(cached.block_hash, cached.token_ids)
+            if key in self._ready or key in self._pushing:
+                continue
+            host_block = self._host.reserve(set())
+            if host_block is None:
+                break
+            self._pushing[key] = host_block
+            self._ops.writes.append((host_block, key))
+            pairs.append((block, host_block))
+        return pairs
+
     def save(self, cached: CachedBlock, host_block: int) -> None:
         """The device evicted `cached` into `host_block`: keep it on disk too."""
+        if self.role != "kv_both":
+            return
         key = self.key(cached.block_hash, cached.token_ids)
         if key in self._ready:
             self._ready.move_to_end(key)
@@ -92,6 +133,8 @@ class DiskPrefixTier:
     def still_waiting(self, request_id: str) -> bool | None:
         """Whether the request still waits for blocks read ahead for it; None when it
         has had no read-ahead yet (then `read_ahead` decides)."""
+        if self.role == "kv_producer":
+            return False
         keys = self._waiting.get(request_id)
         if keys is not None:
             if any(key in self._loading for key in keys):
@@ -160,6 +203,8 @@ class DiskPrefixTier:
                     self.num_failed_reads += 1
                 continue
             self._writing.discard(key)
+            if key in self._pushing:
+                self._host.unreserve(self._pushing.pop(key))
             if ok:
                 self._ready[key] = None
                 self.num_written_blocks += 1

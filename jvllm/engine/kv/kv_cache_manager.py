@@ -233,6 +233,8 @@ class KVCacheManager:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
+        if self.disk_tier is not None and table:  # a producer sends its blocks on
+            self._offloads += self.disk_tier.push(table, self._content_ids.get(request_id, []))
         self.table_array.release(request_id)
         self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         if self.swap_space is not None:

@@ -116,6 +116,7 @@ class Admission:
         tier = kv.disk_tier
         if tier is None or request.lora_int_id or request.fork_source is not None:
             return False
+        tier.refresh()
         waits = tier.still_waiting(request.request_id)
         if waits is not None:
             return waits
