@@ -119,6 +119,7 @@ class LLMEngine:
             drafts_every_row=self.speculator is not None and self.speculator.wants_every_row,
         )
         self.kv_transfer: KVTransfer | None = None  # the fs KV tier's (jvllm.kv_offload)
+        self._held_outputs: list[RequestOutput] = []  # a producer's, until its KV is sent
         self.sampling_batch = SamplingBatch()  # the rows' sampling columns, by slot
         self._aborted_outputs: list[RequestOutput] = []  # returned by the next step
         # Drafts are proposed from the tokens of the step before: no overlap.
@@ -265,7 +266,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         tier = self.scheduler.kv_cache_manager.disk_tier
-        sending = tier is not None and tier.busy  # a producer's blocks still going out
+        sending = tier is not None and tier.busy or bool(self._held_outputs)  # a producer's
         return bool(self.output_processor.requests) or self._in_flight is not None or sending
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -299,6 +300,18 @@ class LLMEngine:
             launched, self._in_flight = self._in_flight, None
             assert launched is not None
             outputs += self._commit(launched, final_only)
+        return self._once_sent(outputs)
+
+    def _once_sent(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A disaggregated prefill's producer answers once its requests' KV blocks are
+        sent, so the decode server asked next finds them."""
+        tier = self.scheduler.kv_cache_manager.disk_tier
+        if tier is None or tier.role != "kv_producer":
+            return outputs
+        self._held_outputs += outputs
+        if tier.busy:
+            return []
+        outputs, self._held_outputs = self._held_outputs, []
         return outputs
 
     def _queue_block_moves(self, sched: SchedulerOutput) -> None:

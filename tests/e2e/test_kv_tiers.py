@@ -7,16 +7,28 @@ directory hits it; a truncated or altered file is a miss, and outputs stay exact
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
+import time
 
+import httpx
 import numpy as np
 import pytest
+import uvicorn
+from starlette.testclient import TestClient
 
 from jvllm import LLM, SamplingParams
+from jvllm.disagg.proxy import build_proxy_app
+from jvllm.engine.async_llm import AsyncLLM
 from jvllm.engine.kv.prefix import ROOT_HASH, hash_block_tokens
+from jvllm.engine_args import EngineArgs
 from jvllm.kv_offload.config import parse_kv_transfer_config
 from jvllm.kv_offload.fs_store import HEADER
 from jvllm.kv_offload.setup import flush_fs_tier
+from jvllm.server.app import build_app
+from jvllm.server.metrics import ServerMetrics
+from jvllm.server.serving import ServingContext
 from tests.helpers import hf_greedy
 
 NEW_TOKENS = 8
@@ -187,28 +199,68 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_disaggregated_prefill_in_process(checkpoints, prompts, reference):
-    """A producer engine prefills (max_tokens=1, as vLLM's example) and sends the
-    prompt's blocks over a local socket; the consumer engine hits all of them and
-    decodes Transformers' tokens."""
+class _Served:
+    """A jvllm server app on a localhost port, in a thread of this process."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        engine = engine_args.create_engine()
+        self.tier = engine.scheduler.kv_cache_manager.disk_tier
+        self.engine = engine
+        ctx = ServingContext(AsyncLLM(engine), ["m"], engine_args.model)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            build_app(ctx, ServerMetrics()), port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server thread ended before it started"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_disaggregated_prefill_through_the_proxy(checkpoints, prompts, reference, tokenizer_dir):
+    """A prefill server (kv_producer) computes the prompt (max_tokens=1, as vLLM's
+    example) and sends its blocks over a local socket; the decode server (kv_consumer)
+    hits all of them; through the proxy the answer is Transformers' greedy one and
+    one server's."""
+    from transformers import AutoTokenizer
+
     port = _free_port()
     config = {"kv_connector": "SocketConnector", "kv_ip": "127.0.0.1", "kv_port": port}
     path = str(checkpoints["llama"])
-    consumer = LLM(path, kv_transfer_config={**config, "kv_role": "kv_consumer"}, **ENGINE)
-    producer = LLM(path, kv_transfer_config={**config, "kv_role": "kv_producer"}, **ENGINE)
+    decode = _Served(
+        EngineArgs(path, kv_transfer_config={**config, "kv_role": "kv_consumer"}, **ENGINE)
+    )
+    prefill = _Served(
+        EngineArgs(path, kv_transfer_config={**config, "kv_role": "kv_producer"}, **ENGINE)
+    )
+    expected = AutoTokenizer.from_pretrained(tokenizer_dir).decode(reference["a"])
+    body = {"model": "m", "prompt": prompts["a"], "max_tokens": NEW_TOKENS, "temperature": 0}
     try:
-        first = (
-            producer.generate(
-                [{"prompt_token_ids": prompts["a"]}], SamplingParams(temperature=0.0, max_tokens=1)
-            )[0]
-            .outputs[0]
-            .token_ids
-        )
-        assert first == reference["a"][:1]
-        flush_fs_tier(producer.engine)
-        assert _tier(producer).num_written_blocks == 12  # sent and acknowledged
-        assert _generate(consumer, prompts["a"]) == reference["a"]
-        assert _tier(consumer).num_read_blocks == 12
-        assert consumer.get_metrics()["prefix_cache_hits"] == 12 * BLOCK
+        with TestClient(build_proxy_app([prefill.url], [decode.url])) as proxy:
+            answer = proxy.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            text = answer.json()["choices"][0]["text"]
+            # The detokenizer holds back a trailing partial character: a prefix of it.
+            assert text and expected.startswith(text)
+            # Sent before the prefill server answered: the decode server read them all.
+            assert prefill.tier.num_written_blocks == 12
+            assert decode.tier.num_read_blocks == 12
+            streamed = proxy.post("/v1/completions", json={**body, "stream": True})
+            events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+            pieces = [json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]"]
+            assert "".join(pieces) == text and events[-1] == "[DONE]"
+            # One server alone (the prefill server, from its own cache) answers the same.
+            alone = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60)
+            assert alone.json()["choices"][0]["text"] == text
+            assert proxy.post("/v1/completions", content=b"{").status_code == 400
     finally:
-        consumer.engine.kv_transfer.receiver.close()
+        prefill.stop()
+        decode.stop()
+        decode.engine.kv_transfer.receiver.close()
