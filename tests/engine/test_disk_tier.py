@@ -84,3 +84,18 @@ def test_block_files_check_magic_key_layout_length_and_checksum(tmp_path):
     assert store.load_block(key, len(payload)) is None
     (store.directory / f"{key}.kv.tmp1.2").write_bytes(b"torn")
     assert store.scan() == [] and list(store.directory.iterdir()) == []
+
+
+def test_new_weights_forget_old_blocks_and_reads_in_flight():
+    chain = _chain(2)
+    keys = [_tier(1)[0].key(h, t) for h, t in chain]
+    tier, host = _tier(max_blocks=8, present=keys)
+    assert tier.read_ahead("r", EMPTY_PREFIX, chain[:1])
+    reads = tier.take_ops().reads
+    tier.new_weights()
+    assert tier.take_ops().deletes == keys[1:]  # the one being read goes when it is done
+    assert tier.key(*chain[0]) != keys[0] and tier.num_blocks == 0
+    tier.complete([KVIODone(keys[0], True, True)])  # read with the old weights' K/V
+    assert host.lookup(chain[0][0], 0, chain[0][1]) is None
+    assert reads[0][1] in host.free_block_ids() and tier.num_read_blocks == 0
+    assert tier.take_ops().deletes == keys[:1]

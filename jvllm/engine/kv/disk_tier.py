@@ -69,6 +69,7 @@ class DiskPrefixTier:
         self.role = role
         self._poll = poll
         self._pushing: dict[str, int] = {}  # key -> the host block it is sent from
+        self._stale: set[str] = set()  # reads and writes begun before new weights
         self.num_written_blocks = 0
         self.num_read_blocks = 0  # read back into the host tier
         self.num_failed_reads = 0  # missing, torn or altered files: misses
@@ -87,6 +88,16 @@ class DiskPrefixTier:
     def take_ops(self) -> KVIOOps:
         ops, self._ops = self._ops, KVIOOps()
         return ops
+
+    def new_weights(self) -> None:
+        """The model's weights changed: blocks saved or being read so far hold K/V of
+        the old ones: their files are deleted, and from now on keys differ."""
+        self._fingerprint = hashlib.sha256(self._fingerprint + b"new weights").digest()
+        self._stale |= set(self._loading) | self._writing
+        self._ops.deletes += [key for key in self._ready if key not in self._loading]
+        self._ready.clear()
+        self._waiting.clear()
+        self._tried.clear()
 
     @property
     def busy(self) -> bool:
@@ -189,9 +200,13 @@ class DiskPrefixTier:
     def complete(self, done: Iterable[KVIODone]) -> None:
         """Takes the runner's finished reads and writes into account."""
         for key, is_read, ok in done:
+            stale = key in self._stale  # begun before new weights: its file goes
+            self._stale.discard(key)
+            if stale and ok:
+                self._ops.deletes.append(key)
             if is_read:
                 load = self._loading.pop(key)
-                if ok:
+                if ok and not stale:
                     entry = HostEntry(
                         load.host_block, load.parent_content_id, load.token_ids, load.content_id
                     )
@@ -200,12 +215,12 @@ class DiskPrefixTier:
                 else:
                     self._host.unreserve(load.host_block)
                     self._ready.pop(key, None)
-                    self.num_failed_reads += 1
+                    self.num_failed_reads += not ok
                 continue
             self._writing.discard(key)
             if key in self._pushing:
                 self._host.unreserve(self._pushing.pop(key))
-            if ok:
+            if ok and not stale:
                 self._ready[key] = None
                 self.num_written_blocks += 1
         self._evict()
