@@ -33,9 +33,16 @@ def host_tier_gib(args: EngineArgs) -> float:
     `cpu_bytes_to_use` (bytes in all, as vLLM counts them) over the devices."""
     config = offload_config(args)
     if args.kv_offloading_size or config is None or config.cpu_bytes is None:
-        return args.kv_offloading_size
-    devices = args.tensor_parallel_size * args.pipeline_parallel_size
-    return config.cpu_bytes / GIB / devices
+        size = args.kv_offloading_size
+    else:
+        size = config.cpu_bytes / GIB / (args.tensor_parallel_size * args.pipeline_parallel_size)
+    if config is not None and not (size and args.enable_prefix_caching):
+        raise ValueError(
+            f"kv_role {config.kv_role!r}: the tier sits below the prefix cache's host tier; "
+            "set kv_offloading_size (GiB per device) or cpu_bytes_to_use > 0, with prefix "
+            "caching on"
+        )
+    return size
 
 
 def attach_fs_tier(engine: LLMEngine, runner: Any, args: EngineArgs, dtype: Any) -> None:

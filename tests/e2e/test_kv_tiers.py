@@ -193,6 +193,11 @@ def test_bad_kv_transfer_config_is_named(config, message):
         parse_kv_transfer_config(config)
 
 
+def test_the_fs_tier_needs_a_host_tier(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="below the prefix cache's host tier"):
+        LLM(str(checkpoints["llama"]), kv_offload_dir=str(tmp_path), max_model_len=64)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,12 +3,15 @@ hits yet, reads into reserved host-tier blocks, and the file checks."""
 
 from __future__ import annotations
 
+import pytest
+
 from jvllm.engine.kv.block_pool import BlockPool, CachedBlock
 from jvllm.engine.kv.disk_tier import DiskPrefixTier
 from jvllm.engine.kv.host_tier import HostPrefixTier
 from jvllm.engine.kv.prefix import EMPTY_PREFIX, ROOT_HASH, hash_block_tokens
 from jvllm.engine.step_io import KVIODone
 from jvllm.kv_offload.fs_store import HEADER, FsBlockStore, layout_fingerprint
+from jvllm.kv_offload.socket_transfer import BlockReceiver, MemoryBlockStore, SocketSender
 
 FP = layout_fingerprint({"model": "m", "dtype": "float32"})
 
@@ -99,3 +102,22 @@ def test_new_weights_forget_old_blocks_and_reads_in_flight():
     assert host.lookup(chain[0][0], 0, chain[0][1]) is None
     assert reads[0][1] in host.free_block_ids() and tier.num_read_blocks == 0
     assert tier.take_ops().deletes == keys[:1]
+
+
+def test_socket_transfer_checks_every_frame():
+    """Blocks sent as header + raw bytes arrive intact and announced; a frame of another
+    layout is refused (no K/V stored) and the sender told so."""
+    store, announced = MemoryBlockStore(), []
+    receiver = BlockReceiver("127.0.0.1", 0, FP, 64, store, announced.append)
+    try:
+        sender = SocketSender("127.0.0.1", receiver.port, FP)
+        payload = bytes(range(64))
+        sender.save_block("ab" * 32, payload)
+        assert announced == ["ab" * 32] and store.load_block("ab" * 32, 64) == payload
+        other = SocketSender("127.0.0.1", receiver.port, layout_fingerprint({"model": "n"}))
+        with pytest.raises(OSError, match="refused block"):
+            other.save_block("cd" * 32, payload)
+        assert not store.lookup("cd" * 32) and receiver.num_rejected_blocks == 1
+        sender.close()
+    finally:
+        receiver.close()
