@@ -73,6 +73,13 @@ _HELP = {
     "(with --preemption-mode swap)",
     "kv_offloading_size": "GiB of host memory per device for prefix-cache blocks evicted "
     "from the device (0: off)",
+    "kv_transfer_config": 'the fs KV tier below the host tier, vLLM\'s JSON: {"kv_connector": '
+    '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": '
+    '"TieringOffloadingSpec", "cpu_bytes_to_use": N, "secondary_tiers": [{"type": "fs", '
+    '"root_dir": DIR}]}} (docs/kv_tiers.md)',
+    "kv_offload_dir": "directory of the fs KV tier below the host tier (needs "
+    "--kv-offloading-size); blocks there survive restarts",
+    "kv_offload_dir_size": "GiB the fs KV tier's directory may hold (LRU eviction)",
     "cpu_offload_gb": "GiB of weights per device kept in pinned host memory (whole decoder "
     "layers from the first; each step copies them in)",
     "kv_cache_dtype": "KV-cache storage: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 "
@@ -126,6 +133,9 @@ _GROUPS = {
     "preemption_mode": "SchedulerConfig",
     "swap_space": "CacheConfig",
     "kv_offloading_size": "CacheConfig",
+    **dict.fromkeys(
+        ("kv_transfer_config", "kv_offload_dir", "kv_offload_dir_size"), "KVTransferConfig"
+    ),
     "cpu_offload_gb": "CacheConfig",
     "kv_cache_dtype": "CacheConfig",
     "tensor_parallel_size": "ParallelConfig",
@@ -156,6 +166,7 @@ _GROUP_ORDER = (
     "CompilationConfig",
     "SpeculativeConfig",
     "LoRAConfig",
+    "KVTransferConfig",
     "EngineArgs",  # fields not in _GROUPS yet
 )
 _ALIASES = {

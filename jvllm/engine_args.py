@@ -34,6 +34,7 @@ from jvllm.engine_resolution import (
     resolve_max_model_len,
 )
 from jvllm.generation_config import generation_config_dir
+from jvllm.kv_offload.setup import attach_fs_tier, host_tier_gib
 from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import load_eagle_head
 from jvllm.models.loader import LoadedModel, load_model
@@ -82,6 +83,11 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB per device, host memory for preemption_mode="swap"
     kv_offloading_size: float = 0.0  # GiB per device, host tier of the prefix cache
+    # The fs tier below the host tier (docs/kv_tiers.md): vLLM's kv_transfer_config
+    # (OffloadingConnector, TieringOffloadingSpec) or a directory and its GiB bound.
+    kv_transfer_config: dict[str, Any] | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: float = 16.0
     cpu_offload_gb: float = 0.0  # GiB of weights per device kept in host memory
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3), "fp8_e4m3", "fp8_e5m2": one byte a value
     attention_backend: str = "auto"
@@ -154,7 +160,7 @@ class EngineArgs:
         runner, loaded, config = built.runner, built.loaded, built.config
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
-        return LLMEngine(
+        engine = LLMEngine(
             config,
             tokenizer,
             runner,
@@ -164,6 +170,8 @@ class EngineArgs:
             built.num_host_blocks,
             built.num_tier_blocks,
         )
+        attach_fs_tier(engine, runner, self, loaded.dtype)
+        return engine
 
     def create_follower_runner(self) -> ModelRunner:
         """A multi-host follower's side: the model runner alone, warmed up, no engine
@@ -252,7 +260,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
-            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_size=host_tier_gib(self),
             kv_cache_dtype=self.kv_cache_dtype,
         )
         lookahead = speculative.num_speculative_tokens if speculative is not None else 0

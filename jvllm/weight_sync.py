@@ -69,6 +69,9 @@ class EngineControl:
         and the metrics."""
         self.updating = False
         self.reset_prefix_cache()
+        disk_tier = self.engine.scheduler.kv_cache_manager.disk_tier
+        if disk_tier is not None:  # its blocks hold the old weights' K/V too
+            disk_tier.new_weights()
         if weight_version is not None:
             self.engine.weight_version = weight_version
 

@@ -38,6 +38,7 @@ from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import Speculator, verify
 from jvllm.engine.step_io import (
+    KVTransfer,
     PendingResult,
     SamplingColumns,
     ScheduledRequest,
@@ -117,6 +118,8 @@ class LLMEngine:
             speculates=self.speculator is not None,
             drafts_every_row=self.speculator is not None and self.speculator.wants_every_row,
         )
+        self.kv_transfer: KVTransfer | None = None  # the fs KV tier's (jvllm.kv_offload)
+        self._held_outputs: list[RequestOutput] = []  # a producer's, until its KV is sent
         self.sampling_batch = SamplingBatch()  # the rows' sampling columns, by slot
         self._aborted_outputs: list[RequestOutput] = []  # returned by the next step
         # Drafts are proposed from the tokens of the step before: no overlap.
@@ -262,7 +265,9 @@ class LLMEngine:
     # -- one step --
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests) or self._in_flight is not None
+        tier = self.scheduler.kv_cache_manager.disk_tier
+        sending = tier is not None and tier.busy or bool(self._held_outputs)  # a producer's
+        return bool(self.output_processor.requests) or self._in_flight is not None or sending
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedules and queues one device step, commits the step before it (or,
@@ -295,10 +300,25 @@ class LLMEngine:
             launched, self._in_flight = self._in_flight, None
             assert launched is not None
             outputs += self._commit(launched, final_only)
+        return self._once_sent(outputs)
+
+    def _once_sent(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A disaggregated prefill's producer answers once its requests' KV blocks are
+        sent, so the decode server asked next finds them."""
+        tier = self.scheduler.kv_cache_manager.disk_tier
+        if tier is None or tier.role != "kv_producer":
+            return outputs
+        self._held_outputs += outputs
+        if tier.busy:
+            return []
+        outputs, self._held_outputs = self._held_outputs, []
         return outputs
 
     def _queue_block_moves(self, sched: SchedulerOutput) -> None:
         """Queues the step's swaps and copies before its forward."""
+        disk_tier = self.scheduler.kv_cache_manager.disk_tier
+        if disk_tier is not None and self.kv_transfer is not None:
+            disk_tier.complete(self.kv_transfer.submit(disk_tier.take_ops()))
         if sched.blocks_to_swap_out:
             self.runner.swap_out(sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:

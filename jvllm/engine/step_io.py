@@ -76,6 +76,40 @@ class SchedulerOutput:
     lora_slots: np.ndarray | None = None  # [len(scheduled)] int32
 
 
+@dataclass
+class KVIOOps:
+    """Work for the KV tier below the host tier (`jvllm.kv_offload.fs_worker`), done on
+    threads of its own: host blocks to save under a key (their content is what this
+    step's swap-outs write), keys to read into host blocks, keys to delete."""
+
+    writes: list[tuple[int, str]] = field(default_factory=list)  # (host block, key)
+    reads: list[tuple[str, int]] = field(default_factory=list)  # (key, host block)
+    deletes: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.reads or self.deletes)
+
+
+class KVIODone(NamedTuple):
+    """One finished read or write of the tier below the host tier."""
+
+    key: str
+    is_read: bool
+    ok: bool  # False: the read missed (file gone, torn or altered) or the write was dropped
+
+
+class KVTransfer(Protocol):
+    """The runner side of the tier below the host tier (`FsKVWorker`)."""
+
+    def submit(self, ops: KVIOOps) -> list[KVIODone]:
+        """Queues the step's work, before its swaps; returns what finished since."""
+        ...
+
+    def drain(self) -> list[KVIODone]:
+        """Finishes every write and read asked so far; returns what finished since."""
+        ...
+
+
 class SamplingRow(NamedTuple):
     """One batch row as the sampler sees it: the request's parameters, its resolved
     seed, how many tokens it has generated so far, and its token history."""

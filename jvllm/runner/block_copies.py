@@ -103,6 +103,10 @@ class BlockCopier:
             caches = self.scatter_fn(caches, self._put(device_ids), self._put(blocks))
         return caches
 
+    def settle(self) -> None:
+        """Lands every swap-out queued so far in host memory (waits for its gathers)."""
+        self._flush_swap_out()
+
     def _flush_swap_out(self) -> None:
         # Waits for the gathers; by a swap-in's step, the steps they followed are done.
         for host_ids, blocks in self._pending_swap_out:

@@ -136,6 +136,11 @@ class BlockPool:
             return None
         return cached
 
+    def new_content_id(self) -> int:
+        """A content id no registration has used (content read back from a lower tier)."""
+        content_id, self._next_content_id = self._next_content_id, self._next_content_id + 1
+        return content_id
+
     def register(
         self,
         block_id: int,

@@ -31,6 +31,8 @@ class HostPrefixTier:
         self._free: list[int] = list(reversed(host_block_ids))
         self._entries: OrderedDict[int, HostEntry] = OrderedDict()  # hash -> entry, LRU first
         self._releasing: list[int] = []
+        self._reserved: set[int] = set()  # being read from a lower tier
+        self._fresh: set[int] = set()  # stored this step (their copy-out is still queued)
 
     @property
     def num_used_blocks(self) -> int:
@@ -55,6 +57,7 @@ class HostPrefixTier:
         if not self._free:
             return None
         host_block = self._free.pop()
+        self._fresh.add(host_block)
         self._entries[block_hash] = HostEntry(host_block, parent_content_id, token_ids, content_id)
         return host_block
 
@@ -80,9 +83,36 @@ class HostPrefixTier:
     def end_step(self) -> None:
         self._free += self._releasing
         self._releasing.clear()
+        self._fresh.clear()
+
+    def reserve(self, keep: set[int]) -> int | None:
+        """A host block for content read from a lower tier (`publish` makes it an entry),
+        evicting the least recently used entry stored before this step and not in
+        `keep` when none is free; None when none can be had."""
+        if not self._free:
+            skip = keep | self._fresh
+            victim = next((h for h, e in self._entries.items() if e.host_block not in skip), None)
+            if victim is None:
+                return None
+            self._free.append(self._entries.pop(victim).host_block)
+        host_block = self._free.pop()
+        self._reserved.add(host_block)
+        return host_block
+
+    def publish(self, block_hash: int, entry: HostEntry) -> None:
+        """A reserved block now holds `entry`'s content: found by lookups from now on."""
+        self._reserved.discard(entry.host_block)
+        if block_hash in self._entries:
+            self._free.append(entry.host_block)  # the same content came back meanwhile
+        else:
+            self._entries[block_hash] = entry
+
+    def unreserve(self, host_block: int) -> None:
+        self._reserved.discard(host_block)
+        self._free.append(host_block)
 
     def free_block_ids(self) -> list[int]:
         return [*self._free, *self._releasing]
 
     def held_block_ids(self) -> list[int]:
-        return [e.host_block for e in self._entries.values()]
+        return [e.host_block for e in self._entries.values()] + sorted(self._reserved)

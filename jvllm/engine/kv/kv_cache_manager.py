@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from jvllm.engine.kv.block_pool import NULL_BLOCK, BlockPool, CachedBlock, cdiv
 from jvllm.engine.kv.block_table_array import BlockTableArray
+from jvllm.engine.kv.disk_tier import DiskPrefixTier
 from jvllm.engine.kv.host_tier import HostEntry, HostPrefixTier
 from jvllm.engine.kv.prefix import (
     EMPTY_PREFIX,
@@ -59,6 +60,7 @@ class KVCacheManager:
             self.host_tier = HostPrefixTier(range(first, first + num_tier_blocks))
         on_evict = self._offload if self.host_tier is not None else None
         self.block_pool = BlockPool(num_blocks, on_evict)
+        self.disk_tier: DiskPrefixTier | None = None  # below the host tier (kv_offload.setup)
         self._ref_counts = self.block_pool.ref_counts  # the pool's own list, read per row
         # Host blocks for swapped-out requests.
         self.swap_space = SwapSpace(num_host_blocks, self.block_pool) if num_host_blocks else None
@@ -231,6 +233,8 @@ class KVCacheManager:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
+        if self.disk_tier is not None and table:  # a producer sends its blocks on
+            self._offloads += self.disk_tier.push(table, self._content_ids.get(request_id, []))
         self.table_array.release(request_id)
         self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         if self.swap_space is not None:
@@ -256,6 +260,8 @@ class KVCacheManager:
         if host_block is not None:
             self._offloads.append((cached.block_id, host_block))
             self.num_offloaded_blocks += 1
+            if self.disk_tier is not None:
+                self.disk_tier.save(cached, host_block)
 
     def _onload(self, request: Request, table: list[int], hits: dict[int, HostEntry]) -> None:
         """Host-tier hits come back into new device blocks, cached again as before."""
@@ -420,6 +426,10 @@ class KVCacheManager:
             if content_id is None:
                 return  # hash collision: this prefix and everything after it stay uncached
             content_ids.append(content_id)
+
+    def block_key(self, request: Request, index: int) -> tuple[int, tuple[int, ...]]:
+        """Full block `index`'s chained hash and tokens (what the fs tier keys it by)."""
+        return self._block_hash(request, index), tuple(self._block_tokens(request, index))
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         return request.get_token_ids(index * self.block_size, (index + 1) * self.block_size)

@@ -82,6 +82,7 @@ class Admission:
                 any(r.num_output_placeholders for r in unit)
                 or self._must_wait_for_source(unit[0], step)
                 or not self._adapter_fits(adapters, unit[0])
+                or self._awaits_kv_read(unit[0])
             ):
                 skipped += unit  # does not hold up the requests behind it
                 continue
@@ -107,6 +108,25 @@ class Admission:
         lora = request.lora_int_id
         limit = self.scheduler_config.max_loras
         return not lora or lora in adapters or len(adapters) < limit
+
+    def _awaits_kv_read(self, request: Request) -> bool:
+        """Whether the request waits for prefix blocks being read from the fs KV tier
+        into the host tier (asked for here, the first time it is considered)."""
+        kv = self.kv_cache_manager
+        tier = kv.disk_tier
+        if tier is None or request.lora_int_id or request.fork_source is not None:
+            return False
+        tier.refresh()
+        waits = tier.still_waiting(request.request_id)
+        if waits is not None:
+            return waits
+        prefix = kv.find_cached_prefix(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return False
+        num_full = (request.num_tokens - 1) // self.block_size
+        first = len(prefix.block_ids)
+        keys = (kv.block_key(request, index) for index in range(first, num_full))
+        return tier.read_ahead(request.request_id, prefix, keys)
 
     def _must_wait_for_source(self, request: Request, step: ScheduleStep) -> bool:
         """Whether a fork child waits for its source to compute the shared prompt; before
