@@ -26,6 +26,7 @@ from jvllm.config import (
 from jvllm.demo import with_shipped_head
 from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.multimodal import MultiModalProcessor
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.engine_resolution import (
     check_cpu_offload,
@@ -117,6 +118,8 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict[str, Any] | None = None
+    # Vision-language models (vLLM's name): at most this many images a prompt, {"image": N}.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -154,7 +157,7 @@ class EngineArgs:
         runner, loaded, config = built.runner, built.loaded, built.config
         gen_dir = generation_config_dir(self.generation_config, self.model)
         eos = eos_token_ids(gen_dir, loaded.spec, tokenizer)
-        return LLMEngine(
+        engine = LLMEngine(
             config,
             tokenizer,
             runner,
@@ -164,6 +167,9 @@ class EngineArgs:
             built.num_host_blocks,
             built.num_tier_blocks,
         )
+        if loaded.vision is not None:  # a vision-language model: its own processor
+            engine.mm_processor = MultiModalProcessor(self.model, self.limit_mm_per_prompt)
+        return engine
 
     def create_follower_runner(self) -> ModelRunner:
         """A multi-host follower's side: the model runner alone, warmed up, no engine

@@ -31,6 +31,7 @@ from jvllm.engine.beam_search import Beam, BeamGroup, check_beam_search
 from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.lora_slots import LoRASlots
 from jvllm.engine.metrics import EngineStats, SpecDecodeStats
+from jvllm.engine.multimodal import MultiModalProcessor, check_text_only, with_mm_features
 from jvllm.engine.output_processor import OutputProcessor, SampledRows, StepCommit
 from jvllm.engine.request import Request
 from jvllm.engine.sampling_batch import SamplingBatch
@@ -128,6 +129,7 @@ class LLMEngine:
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         lora = config.lora_config
         self.lora_slots = LoRASlots(lora, runner) if lora is not None else None
+        self.mm_processor: MultiModalProcessor | None = None  # images: set by engine_args
 
     # -- requests in --
 
@@ -146,7 +148,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
-        text, ids = self._tokenize(prompt)
+        text, ids, mm = self._tokenize_mm(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
             if lora_request is not None:
@@ -173,6 +175,7 @@ class LLMEngine:
                 fork_source=source,
                 priority=priority,
                 lora_request=lora_request,
+                mm_features=mm,
             )
             seed = self._seed_for(params, index)
             state = SequenceState(
@@ -213,6 +216,14 @@ class LLMEngine:
         self.output_processor.add_beam_group(group)
         self.scheduler.add_request(group.beams[0].request)
         self.prompt_tokens += len(ids)
+
+    def _tokenize_mm(self, prompt: Any) -> tuple[str | None, list[int], tuple]:
+        """`_tokenize`, and a prompt with images through the model's processor."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            if self.mm_processor is None:
+                check_text_only(prompt)
+            return self.mm_processor.process(prompt)
+        return (*self._tokenize(prompt), ())
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -279,6 +290,8 @@ class LLMEngine:
             prepared = self._prepare(sched)
             if self.lora_slots is not None:  # the step's adapters into the device slots
                 sched = self.lora_slots.assign_slots(sched, prepared.states)
+            if self.mm_processor is not None:  # the images the rows cover, for the encoder
+                sched = with_mm_features(sched, self.scheduler.running)
             self.runner.forward(sched)
             if previous is not None and self.output_processor.needs_previous_tokens(
                 sched.scheduled

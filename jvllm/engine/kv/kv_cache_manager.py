@@ -30,6 +30,7 @@ from jvllm.engine.kv.prefix import (
     root_hash,
 )
 from jvllm.engine.kv.swap_space import SwapSpace
+from jvllm.engine.multimodal import block_mm_keys
 from jvllm.engine.request import Request
 
 
@@ -422,7 +423,10 @@ class KVCacheManager:
             content_ids.append(content_id)
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
-        return request.get_token_ids(index * self.block_size, (index + 1) * self.block_size)
+        """The block's tokens, then the hash of each image it covers (`block_mm_keys`)."""
+        start, stop = index * self.block_size, (index + 1) * self.block_size
+        tokens = request.get_token_ids(start, stop)
+        return tokens + block_mm_keys(request, start, stop) if request.mm_features else tokens
 
     def _block_hash(self, request: Request, index: int) -> int:
         hashes = self._block_hashes.setdefault(request.request_id, [])
