@@ -26,7 +26,7 @@ from jvllm.config import (
 from jvllm.demo import with_shipped_head
 from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
-from jvllm.engine.multimodal import MultiModalProcessor
+from jvllm.engine.multimodal import MultiModalProcessor, media_domains
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.engine_resolution import (
     check_cpu_offload,
@@ -120,6 +120,9 @@ class EngineArgs:
     pooler_config: dict[str, Any] | None = None
     # Vision-language models (vLLM's name): at most this many images a prompt, {"image": N}.
     limit_mm_per_prompt: dict[str, int] | None = None
+    # Domains whose http(s) image URLs may be fetched (vLLM's --allowed-media-domains),
+    # separated by commas or spaces; data: URLs always work.
+    allowed_media_domains: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -168,7 +171,8 @@ class EngineArgs:
             built.num_tier_blocks,
         )
         if loaded.vision is not None:  # a vision-language model: its own processor
-            engine.mm_processor = MultiModalProcessor(self.model, self.limit_mm_per_prompt)
+            domains = media_domains(self.allowed_media_domains)
+            engine.mm_processor = MultiModalProcessor(self.model, self.limit_mm_per_prompt, domains)
         return engine
 
     def create_follower_runner(self) -> ModelRunner:

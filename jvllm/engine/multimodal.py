@@ -29,10 +29,13 @@ from jvllm.engine.step_io import MultiModalFeature, SchedulerOutput
 from jvllm.engine.validation import InvalidRequestError
 
 
-def _image(value: Any, index: int) -> Any:
-    """A PIL image (bytes are decoded), or InvalidRequestError naming the bad one."""
+def _image(value: Any, index: int, allowed_domains: Sequence[str] = ()) -> Any:
+    """A PIL image (bytes are decoded, an image URL loaded: `load_image_url`), or
+    InvalidRequestError naming the bad one."""
     from PIL import Image
 
+    if isinstance(value, str):
+        return load_image_url(value, allowed_domains)
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, bytes | bytearray):
@@ -43,7 +46,8 @@ def _image(value: Any, index: int) -> Any:
                 f"image {index} cannot be decoded ({type(e).__name__}: {e})", "image"
             ) from None
     raise InvalidRequestError(
-        f"image {index} must be a PIL image or encoded image bytes, got {type(value).__name__}",
+        f"image {index} must be a PIL image, encoded image bytes or an image URL, got "
+        f"{type(value).__name__}",
         "image",
     )
 
@@ -101,12 +105,30 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     return out
 
 
+def _split_runs(runs: list[tuple[int, int]], num_images: int) -> list[tuple[int, int]]:
+    """Runs of placeholders cut into one span per image: adjacent images make one run.
+    Every image has the same placeholder count (the processor resizes each to one size)."""
+    total = sum(length for _, length in runs)
+    if num_images == 0 or total % num_images:
+        return runs
+    per = total // num_images
+    if any(length % per for _, length in runs):
+        return runs
+    return [(o + k * per, per) for o, length in runs for k in range(length // per)]
+
+
 class MultiModalProcessor:
     """A vision-language checkpoint's `AutoProcessor`, with `limit_mm_per_prompt`."""
 
-    def __init__(self, model_dir: str, limit_mm_per_prompt: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_media_domains: Sequence[str] = (),
+    ) -> None:
         from transformers import AutoProcessor
 
+        self.allowed_media_domains = tuple(allowed_media_domains)
         limits = dict(limit_mm_per_prompt or {})
         unknown = set(limits) - {"image"}
         if unknown or any(not isinstance(v, int) or v < 0 for v in limits.values()):
@@ -140,14 +162,14 @@ class MultiModalProcessor:
         text = prompt.get("prompt")
         if not isinstance(text, str):
             raise InvalidRequestError("a prompt with images needs its text in 'prompt'", "prompt")
-        pil = [_image(im, i) for i, im in enumerate(images)]
+        pil = [_image(im, i, self.allowed_media_domains) for i, im in enumerate(images)]
         try:
             out = self.processor(text=text, images=pil or None, return_tensors="np")
         except ValueError as e:  # the processor's own check of placeholders and images
             msg = f"the prompt does not fit its images: {e}"
             raise InvalidRequestError(msg, "prompt") from None
         ids = [int(t) for t in out["input_ids"][0]]
-        runs = _runs(ids, self.image_token_id)
+        runs = _split_runs(_runs(ids, self.image_token_id), len(pil))
         if len(runs) != len(pil):
             raise InvalidRequestError(
                 f"the prompt has {len(runs)} image placeholders "
@@ -160,6 +182,48 @@ class MultiModalProcessor:
             for i, (offset, length) in enumerate(runs)
         )
         return text, ids, features
+
+
+def media_domains(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """`allowed_media_domains` as given (a list, or one string of names separated by
+    commas or spaces) as a tuple of domain names."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(d for d in value.replace(",", " ").split() if d)
+    return tuple(value)
+
+
+# Content-part types that carry an image: OpenAI's image_url, and vLLM's offline image_pil.
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+
+
+def split_image_parts(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages as templates take them, each image content part made
+    `{"type": "image"}` (what vision models' templates expand to their image token), and
+    the images in order: an `image_url`'s URL (`{"url": ...}` or the string), an
+    `image_pil`'s PIL image."""
+    images: list[Any] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "image_url":
+                url = part["image_url"]
+                images.append(url["url"] if isinstance(url, dict) else url)
+            elif kind in ("image_pil", "image") and part.get(kind) is not None:
+                images.append(part[kind])
+            if kind in IMAGE_PART_TYPES:
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
 
 
 def check_text_only(prompt: Any) -> None:
