@@ -33,9 +33,11 @@ def make_llava_checkpoint(
     image_size: int = 28,
     patch_size: int = 7,
     vocab_size: int = 127,
-    **text_overrides: Any,
+    text_overrides: dict[str, Any] | None = None,
+    vision_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random LLaVA checkpoint (float32) with its processor, in `out_dir`."""
+    """A random LLaVA checkpoint (float32) with its processor, in `out_dir`; the
+    overrides replace the tiny default sizes of the language and vision configs."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -53,7 +55,7 @@ def make_llava_checkpoint(
     tok = AutoTokenizer.from_pretrained(out)
     tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = LlamaConfig(
+    text_kwargs: dict[str, Any] = dict(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -66,9 +68,9 @@ def make_llava_checkpoint(
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
-        **text_overrides,
     )
-    vision = CLIPVisionConfig(
+    text = LlamaConfig(**{**text_kwargs, **(text_overrides or {})})
+    vision_kwargs: dict[str, Any] = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=3,
@@ -77,6 +79,7 @@ def make_llava_checkpoint(
         patch_size=patch_size,
         projection_dim=32,
     )
+    vision = CLIPVisionConfig(**{**vision_kwargs, **(vision_overrides or {})})
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,

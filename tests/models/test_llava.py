@@ -137,3 +137,14 @@ def test_an_image_for_a_text_only_model_is_refused():
 
     with pytest.raises(ValueError, match="text only"):
         check_text_only({"prompt": "hi", "multi_modal_data": {"image": _image(0)}})
+
+
+def test_chat_with_image_parts_equals_transformers(llm: LLM, hf):
+    image = _image(7)
+    parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w8 w9"}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    _, processor = hf
+    template = [{"role": "user", "content": [{"type": "image"}, parts[1]]}]
+    text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, text, [image])
