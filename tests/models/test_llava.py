@@ -148,3 +148,11 @@ def test_chat_with_image_parts_equals_transformers(llm: LLM, hf):
     template = [{"role": "user", "content": [{"type": "image"}, parts[1]]}]
     text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, text, [image])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_equals_transformers(llava_dir: Path, hf):
+    """The language model split over two CPU devices, the vision side replicated."""
+    llm2 = LLM(str(llava_dir), tensor_parallel_size=2, max_model_len=128, max_num_seqs=4, seed=0)
+    text, images = CASES[1][0], [_image(s) for s in CASES[1][1]]
+    assert generate(llm2, text, images) == hf_greedy(hf, text, images)
