@@ -31,7 +31,7 @@ from jvllm.engine.beam_search import Beam, BeamGroup, check_beam_search
 from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.lora_slots import LoRASlots
 from jvllm.engine.metrics import EngineStats, SpecDecodeStats
-from jvllm.engine.multimodal import MultiModalProcessor, check_text_only, with_mm_features
+from jvllm.engine.multimodal import MultiModalProcessor, tokenize_prompt, with_mm_features
 from jvllm.engine.output_processor import OutputProcessor, SampledRows, StepCommit
 from jvllm.engine.request import Request
 from jvllm.engine.sampling_batch import SamplingBatch
@@ -148,7 +148,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
-        text, ids, mm = self._tokenize_mm(prompt)
+        text, ids, mm = tokenize_prompt(prompt, self.mm_processor, self._tokenize)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
             if lora_request is not None:
@@ -216,14 +216,6 @@ class LLMEngine:
         self.output_processor.add_beam_group(group)
         self.scheduler.add_request(group.beams[0].request)
         self.prompt_tokens += len(ids)
-
-    def _tokenize_mm(self, prompt: Any) -> tuple[str | None, list[int], tuple]:
-        """`_tokenize`, and a prompt with images through the model's processor."""
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            if self.mm_processor is None:
-                check_text_only(prompt)
-            return self.mm_processor.process(prompt)
-        return (*self._tokenize(prompt), ())
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

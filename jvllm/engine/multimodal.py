@@ -18,7 +18,7 @@ import binascii
 import dataclasses
 import hashlib
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -235,8 +235,27 @@ def check_text_only(prompt: Any) -> None:
         )
 
 
+def tokenize_prompt(
+    prompt: Any,
+    processor: MultiModalProcessor | None,
+    tokenize: Callable[[Any], tuple[str | None, list[int]]],
+) -> tuple[str | None, list[int], tuple[MultiModalFeature, ...]]:
+    """A prompt's text, token ids and images: a prompt with `multi_modal_data` through
+    the model's processor (InvalidRequestError for a text-only model), the rest through
+    `tokenize` (the engine's)."""
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        if processor is None:
+            check_text_only(prompt)
+        assert processor is not None
+        return processor.process(prompt)
+    return (*tokenize(prompt), ())
+
+
 def block_mm_keys(request: Request, start: int, stop: int) -> list[int]:
-    """The hash of each image with a placeholder token in positions [start, stop)."""
+    """The hash of each image with a placeholder token in positions [start, stop): a
+    prefix-cache block's tokens are followed by these, in its hash and its verification."""
+    if not request.mm_features:
+        return []
     return [
         int(f.identifier[:16], 16)
         for f in request.mm_features

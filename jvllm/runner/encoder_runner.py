@@ -78,3 +78,15 @@ class EncoderRunner:
                 mask[offset + lo - start : offset + hi - start] = True
             offset += n
         return None if embeds is None else (embeds, mask)
+
+
+def step_inputs(
+    encoder: EncoderRunner | None,
+    rows: Sequence[Any],
+    features: Mapping[str, Sequence[MultiModalFeature]] | None,
+    num_tokens: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`encoder.step_inputs` for a step with images; None for a text-only step (or model)."""
+    if encoder is None or not features:
+        return None
+    return encoder.step_inputs(rows, features, num_tokens)

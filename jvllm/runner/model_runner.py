@@ -10,11 +10,10 @@ that change the sampler's shapes (penalty history width) never recompile the
 model. The KV cache is donated to every call and so updated in place.
 
 `forward()` then `sample()` (the engine's `StepRunner` calls) return at once, the
-second with a `PendingStep`; its `result()` is the one sync. The sampled tokens
-of the latest step also stay on the device (`last_sampled`,
+second with a `PendingStep`; its `result()` is the one sync.
+The sampled tokens of the latest step also stay on the device (`last_sampled`,
 padded to the largest row bucket), where the next step's placeholder tokens read
-them, so the host can prepare step N + 1 while step N runs. A vision-language model's
-image embeddings come from `encoder_runner` (one `[T, H]` buffer and mask per step).
+them, so the host can prepare step N + 1 while step N runs.
 
 Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (steps
 of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
@@ -54,7 +53,7 @@ from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.parallel.step_channel import StepPublisher
 from jvllm.runner.block_copies import BlockCopier
 from jvllm.runner.drafter import Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter, ProposalInputs
-from jvllm.runner.encoder_runner import EncoderRunner
+from jvllm.runner.encoder_runner import EncoderRunner, step_inputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -343,9 +342,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots)
         self.token_slots[0] += num_tokens
         self.token_slots[1] += shape.num_tokens
-        mm = None  # a vision-language model's step covering image tokens: their embeddings
-        if self.encoder is not None and mm_features:
-            mm = self.encoder.step_inputs(rows, mm_features, shape.num_tokens)
+        mm = step_inputs(self.encoder, rows, mm_features, shape.num_tokens)  # image embeddings
         self._launch_forward(packed, shape, mm)
         assert self._last_forward is not None
         return self._last_forward

@@ -423,10 +423,8 @@ class KVCacheManager:
             content_ids.append(content_id)
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
-        """The block's tokens, then the hash of each image it covers (`block_mm_keys`)."""
         start, stop = index * self.block_size, (index + 1) * self.block_size
-        tokens = request.get_token_ids(start, stop)
-        return tokens + block_mm_keys(request, start, stop) if request.mm_features else tokens
+        return request.get_token_ids(start, stop) + block_mm_keys(request, start, stop)
 
     def _block_hash(self, request: Request, index: int) -> int:
         hashes = self._block_hashes.setdefault(request.request_id, [])
