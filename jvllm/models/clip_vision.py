@@ -1,11 +1,13 @@
-"""The CLIP vision transformer as pure JAX functions over its checkpoint tensors.
+"""The CLIP and SigLIP vision transformers as pure JAX functions over their checkpoint
+tensors.
 
-Owns the tower's forward (patch embedding, class token, position embeddings, the
-pre-norm and the encoder layers) up to a requested layer, with Transformers'
-`hidden_states` numbering: 0 is the embeddings after the pre-norm, i the output of
-encoder layer i. Parameters are a flat dict keyed by the tensor's name inside the
-tower (`embeddings.patch_embedding.weight`, `encoder.layers.0.mlp.fc1.bias`, ...).
-Not owned: loading them, the projector, or choosing the layer (`models/llava.py`).
+Owns the tower's forward (patch embedding, CLIP's class token and pre-norm, position
+embeddings, the encoder layers) up to a requested layer, with Transformers'
+`hidden_states` numbering: 0 is the embeddings (after CLIP's pre-norm), i the output of
+encoder layer i. SigLIP's layers are CLIP's; it has no class token and no pre-norm.
+Parameters are a flat dict keyed by the tensor's name inside the tower
+(`embeddings.patch_embedding.weight`, `encoder.layers.0.mlp.fc1.bias`, ...). Not owned:
+loading them, the projector, or choosing the layer (`models/llava.py`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,19 @@ class CLIPVisionSpec:
     image_size: int
     layer_norm_eps: float
     hidden_act: str
+    model_type: str = "clip_vision_model"
+
+    @property
+    def has_class_token(self) -> bool:
+        return self.model_type == "clip_vision_model"
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> CLIPVisionSpec:
-        if cfg.get("model_type", "clip_vision_model") != "clip_vision_model":
+        model_type = cfg.get("model_type", "clip_vision_model")
+        if model_type not in _DEFAULT_ACT:
             raise ValueError(
-                f"vision_config model_type {cfg.get('model_type')!r} is not supported "
-                "(clip_vision_model)"
+                f"vision_config model_type {model_type!r} is not supported "
+                f"({', '.join(_DEFAULT_ACT)})"
             )
         return cls(
             hidden_size=int(cfg.get("hidden_size", 768)),
@@ -43,8 +51,13 @@ class CLIPVisionSpec:
             patch_size=int(cfg.get("patch_size", 32)),
             image_size=int(cfg.get("image_size", 224)),
             layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
-            hidden_act=str(cfg.get("hidden_act", "quick_gelu")),
+            hidden_act=str(cfg.get("hidden_act", _DEFAULT_ACT[model_type])),
+            model_type=model_type,
         )
+
+
+# The vision towers read here, with the activation their configs default to.
+_DEFAULT_ACT = {"clip_vision_model": "quick_gelu", "siglip_vision_model": "gelu_pytorch_tanh"}
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
@@ -73,7 +86,7 @@ def linear(p: Params, name: str, x: jax.Array) -> jax.Array:
 
 
 def embeddings(p: Params, spec: CLIPVisionSpec, pixels: jax.Array) -> jax.Array:
-    """`[N, 3, H, W]` pixels -> `[N, 1 + (H/p)*(W/p), D]` (class token first)."""
+    """`[N, 3, H, W]` pixels -> `[N, (H/p)*(W/p), D]`, CLIP's class token first."""
     w = p["embeddings.patch_embedding.weight"]  # [D, 3, p, p]
     patches = jax.lax.conv_general_dilated(
         pixels.astype(w.dtype),
@@ -83,9 +96,12 @@ def embeddings(p: Params, spec: CLIPVisionSpec, pixels: jax.Array) -> jax.Array:
         dimension_numbers=("NCHW", "OIHW", "NCHW"),
     )  # [N, D, H/p, W/p]
     n, d = patches.shape[:2]
-    patches = patches.reshape(n, d, -1).transpose(0, 2, 1)  # [N, P, D]
-    cls = jnp.broadcast_to(p["embeddings.class_embedding"], (n, 1, d))
-    x = jnp.concatenate([cls.astype(patches.dtype), patches], axis=1)
+    x = patches.reshape(n, d, -1).transpose(0, 2, 1)  # [N, P, D]
+    if "embeddings.patch_embedding.bias" in p:  # SigLIP's
+        x = x + p["embeddings.patch_embedding.bias"]
+    if spec.has_class_token:
+        cls = jnp.broadcast_to(p["embeddings.class_embedding"], (n, 1, d))
+        x = jnp.concatenate([cls.astype(x.dtype), x], axis=1)
     return x + p["embeddings.position_embedding.weight"][None, : x.shape[1]]
 
 
@@ -107,7 +123,9 @@ def encoder_layer(p: Params, spec: CLIPVisionSpec, i: int, x: jax.Array) -> jax.
 
 def hidden_states(p: Params, spec: CLIPVisionSpec, pixels: jax.Array, upto: int) -> list[jax.Array]:
     """Transformers' `hidden_states[0..upto]` of the tower, each `[N, T, D]`."""
-    x = layer_norm(p, "pre_layrnorm", embeddings(p, spec, pixels), spec.layer_norm_eps)
+    x = embeddings(p, spec, pixels)
+    if spec.has_class_token:
+        x = layer_norm(p, "pre_layrnorm", x, spec.layer_norm_eps)
     out = [x]
     for i in range(upto):
         x = encoder_layer(p, spec, i, x)

@@ -4,7 +4,7 @@ image embeddings at its image-token positions, and its vision side.
 Owns reading the checkpoint's config (`llava_spec`: the language model's `ModelSpec`),
 the language module (`LlavaForConditionalGeneration`: a `CausalLM` whose forward may
 replace the embeddings of marked tokens), the checkpoint's language tensor names
-(`LanguageModelIndex`), and the vision side (`LlavaVision`: the CLIP tower, the feature
+(`LanguageModelIndex`), and the vision side (`LlavaVision`: the CLIP or SigLIP tower, the feature
 layer(s) and select strategy of the config, the projector) with its loading
 (`load_vision`). Not owned: running the encoder per image and caching its outputs
 (`runner/encoder_runner.py`), or processing prompts and images (`engine/multimodal.py`).
@@ -156,7 +156,7 @@ class LlavaVision:
 
     def tokens_per_image(self) -> int:
         patches = (self.spec.image_size // self.spec.patch_size) ** 2
-        return patches + (1 if self.select_strategy == "full" else 0)
+        return patches + self.spec.has_class_token - (self.select_strategy == "default")
 
     def encode(self, params: dict[str, Any], pixels: jax.Array) -> jax.Array:
         """`[N, 3, H, W]` float pixels -> `[N, L, H_text]` embeddings."""
@@ -203,7 +203,7 @@ def load_vision(
     for name in sorted(index.names()):
         for part, prefixes in (("vision", _VISION_PREFIXES), ("projector", _PROJECTOR_PREFIXES)):
             key = _strip(name, prefixes)
-            if key is not None and not key.startswith("post_layernorm"):
+            if key is not None and not key.startswith(("post_layernorm", "head.")):
                 params[part][key] = place(np.asarray(index.array(name)).astype(dtype))
     if not params["vision"] or not params["projector"]:
         raise ValueError(f"{model_dir}: no vision_tower or multi_modal_projector tensors")

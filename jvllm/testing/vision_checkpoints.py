@@ -35,9 +35,11 @@ def make_llava_checkpoint(
     vocab_size: int = 127,
     text_overrides: dict[str, Any] | None = None,
     vision_overrides: dict[str, Any] | None = None,
+    vision_model: str = "clip",
 ) -> Path:
     """A random LLaVA checkpoint (float32) with its processor, in `out_dir`; the
-    overrides replace the tiny default sizes of the language and vision configs."""
+    overrides replace the tiny default sizes of the language and vision configs.
+    `vision_model` "siglip": a SigLIP tower, all its tokens used (select strategy full)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -47,6 +49,7 @@ def make_llava_checkpoint(
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        SiglipVisionConfig,
     )
 
     out = Path(out_dir)
@@ -77,15 +80,17 @@ def make_llava_checkpoint(
         num_attention_heads=2,
         image_size=image_size,
         patch_size=patch_size,
-        projection_dim=32,
     )
-    vision = CLIPVisionConfig(**{**vision_kwargs, **(vision_overrides or {})})
+    siglip = vision_model == "siglip"
+    vision_cls = SiglipVisionConfig if siglip else CLIPVisionConfig
+    vision = vision_cls(**{**vision_kwargs, **(vision_overrides or {})})
+    strategy = "full" if siglip else "default"
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
         vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
@@ -101,8 +106,8 @@ def make_llava_checkpoint(
         image_processor=image_processor,
         tokenizer=tok,
         patch_size=patch_size,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=0 if siglip else 1,
         chat_template=CHAT_TEMPLATE,
     )
     tok.chat_template = CHAT_TEMPLATE

@@ -156,3 +156,26 @@ def test_tensor_parallel_two_equals_transformers(llava_dir: Path, hf):
     llm2 = LLM(str(llava_dir), tensor_parallel_size=2, max_model_len=128, max_num_seqs=4, seed=0)
     text, images = CASES[1][0], [_image(s) for s in CASES[1][1]]
     assert generate(llm2, text, images) == hf_greedy(hf, text, images)
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_vision_side_equals_transformers_image_features(tmp_path: Path, tower: str):
+    """The encoder program alone (tower, feature layer, select strategy, projector)."""
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from jvllm.models.llava import load_vision
+
+    path = make_llava_checkpoint(tmp_path / tower, seed=3, vision_model=tower)
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    pixels = AutoProcessor.from_pretrained(path)(
+        text="<image> <image>", images=[_image(4), _image(5)], return_tensors="np"
+    )["pixel_values"]
+    with torch.no_grad():
+        want = model.model.get_image_features(pixel_values=torch.from_numpy(pixels))
+    want = np.stack([f.numpy() for f in want.pooler_output])
+    vision, params = load_vision(path, model.config.to_dict(), jnp.float32)
+    got = np.asarray(vision.encode(params, pixels))
+    assert got.shape == want.shape == (2, vision.tokens_per_image(), 64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
