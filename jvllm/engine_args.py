@@ -216,6 +216,8 @@ class EngineArgs:
             expert_parallel=parallel.enable_expert_parallel,
             max_model_len=self.max_model_len,
         )
+        if loaded.vision is not None and dist is not None:  # followers get no image embeddings
+            raise ValueError(f"{loaded.spec.architecture} is not supported on several hosts yet")
         if transposes_weights(loaded.spec, mesh, loaded.num_offloaded_layers):
             loaded = process_weights_after_loading(loaded)
         logger.info(

@@ -151,8 +151,9 @@ class LLMEngine:
         text, ids, mm = tokenize_prompt(prompt, self.mm_processor, self._tokenize)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
-            if lora_request is not None:
-                raise ValueError("beam search does not take a lora_request yet")
+            if lora_request is not None or mm:
+                what = "a lora_request" if lora_request is not None else "images"
+                raise ValueError(f"beam search does not take {what} yet")
             self._add_beam_search(request_id, text, ids, params, arrival)
             return
         validate_request(text, ids, params, self.vocab_size, self.max_model_len)

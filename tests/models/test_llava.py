@@ -12,6 +12,7 @@ from PIL import Image
 
 from jvllm import LLM, SamplingParams
 from jvllm.engine.multimodal import load_image_url
+from jvllm.sampling_params import BeamSearchParams
 from jvllm.testing.vision_checkpoints import make_llava_checkpoint
 
 MAX_TOKENS = 6
@@ -117,6 +118,9 @@ def test_bad_image_input_is_a_clear_error(llm: LLM):
         )
     with pytest.raises(ValueError, match="does not fit its images"):
         llm.generate([{"prompt": "w5 w6", "multi_modal_data": {"image": _image(0)}}], params)
+    with pytest.raises(ValueError, match="beam search does not take images"):
+        prompt = {"prompt": "w5 <image>", "multi_modal_data": {"image": _image(0)}}
+        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))
     # The engine keeps serving.
     assert generate(llm, "w5 <image> w6", [_image(3)])
 
