@@ -26,6 +26,7 @@ from jvllm.config import (
 from jvllm.demo import with_shipped_head
 from jvllm.draft_models import check_draft_length, load_draft
 from jvllm.engine.llm_engine import LLMEngine
+from jvllm.engine.multimodal import MultiModalProcessor, media_domains
 from jvllm.engine.scheduling.scheduler import check_kv_capacity
 from jvllm.engine_resolution import (
     check_cpu_offload,
@@ -123,6 +124,11 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict[str, Any] | None = None
+    # Vision-language models (vLLM's name): at most this many images a prompt, {"image": N}.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    # Domains whose http(s) image URLs may be fetched (vLLM's --allowed-media-domains),
+    # separated by commas or spaces; data: URLs always work.
+    allowed_media_domains: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -171,6 +177,9 @@ class EngineArgs:
             built.num_tier_blocks,
         )
         attach_fs_tier(engine, runner, self, loaded.dtype)
+        if loaded.vision is not None:  # a vision-language model: its own processor
+            domains = media_domains(self.allowed_media_domains)
+            engine.mm_processor = MultiModalProcessor(self.model, self.limit_mm_per_prompt, domains)
         return engine
 
     def create_follower_runner(self) -> ModelRunner:
@@ -214,6 +223,8 @@ class EngineArgs:
             expert_parallel=parallel.enable_expert_parallel,
             max_model_len=self.max_model_len,
         )
+        if loaded.vision is not None and dist is not None:  # followers get no image embeddings
+            raise ValueError(f"{loaded.spec.architecture} is not supported on several hosts yet")
         if transposes_weights(loaded.spec, mesh, loaded.num_offloaded_layers):
             loaded = process_weights_after_loading(loaded)
         logger.info(

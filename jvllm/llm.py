@@ -18,6 +18,7 @@ from jvllm import compat
 from jvllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from jvllm.engine.beam_search import hypothesis_score
 from jvllm.engine.gc_heap import serving_gc
+from jvllm.engine.multimodal import split_image_parts
 from jvllm.engine_args import EngineArgs
 from jvllm.generation_config import RequestDefaults
 from jvllm.lora.request import LoRARequest
@@ -120,12 +121,16 @@ class LLM(WeightSync, PoolingMixin):
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
         prompts = []
         for conv in conversations:
+            conv, images = split_image_parts(conv)  # image content parts (vision models)
             text = tokenizer.apply_chat_template(
                 conv,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
+            if images:  # the model's processor expands each image's placeholder
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+                continue
             # The template already carries any special tokens it wants.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -31,6 +31,7 @@ from jvllm.engine.beam_search import Beam, BeamGroup, check_beam_search
 from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.lora_slots import LoRASlots
 from jvllm.engine.metrics import EngineStats, SpecDecodeStats
+from jvllm.engine.multimodal import MultiModalProcessor, tokenize_prompt, with_mm_features
 from jvllm.engine.output_processor import OutputProcessor, SampledRows, StepCommit
 from jvllm.engine.request import Request
 from jvllm.engine.sampling_batch import SamplingBatch
@@ -131,6 +132,7 @@ class LLMEngine:
         self.structured_outputs = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         lora = config.lora_config
         self.lora_slots = LoRASlots(lora, runner) if lora is not None else None
+        self.mm_processor: MultiModalProcessor | None = None  # images: set by engine_args
 
     # -- requests in --
 
@@ -149,11 +151,12 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduler_config.scheduling_policy)
-        text, ids = self._tokenize(prompt)
+        text, ids, mm = tokenize_prompt(prompt, self.mm_processor, self._tokenize)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, BeamSearchParams):
-            if lora_request is not None:
-                raise ValueError("beam search does not take a lora_request yet")
+            if lora_request is not None or mm:
+                what = "a lora_request" if lora_request is not None else "images"
+                raise ValueError(f"beam search does not take {what} yet")
             self._add_beam_search(request_id, text, ids, params, arrival)
             return
         validate_request(text, ids, params, self.vocab_size, self.max_model_len)
@@ -176,6 +179,7 @@ class LLMEngine:
                 fork_source=source,
                 priority=priority,
                 lora_request=lora_request,
+                mm_features=mm,
             )
             seed = self._seed_for(params, index)
             state = SequenceState(
@@ -284,6 +288,8 @@ class LLMEngine:
             prepared = self._prepare(sched)
             if self.lora_slots is not None:  # the step's adapters into the device slots
                 sched = self.lora_slots.assign_slots(sched, prepared.states)
+            if self.mm_processor is not None:  # the images the rows cover, for the encoder
+                sched = with_mm_features(sched, self.scheduler.running)
             self.runner.forward(sched)
             if previous is not None and self.output_processor.needs_previous_tokens(
                 sched.scheduled

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from jvllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jvllm.engine.step_io import MultiModalFeature
     from jvllm.lora.request import LoRARequest
 
 
@@ -65,8 +66,11 @@ class Request:
         beam_width: int = 1,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_features: tuple[MultiModalFeature, ...] = (),
     ) -> None:
         self.request_id = request_id
+        # Its images (a vision-language model's): placeholder spans, pixels, hashes.
+        self.mm_features = mm_features
         self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

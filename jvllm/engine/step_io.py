@@ -58,6 +58,16 @@ class ScheduledRequest(NamedTuple):
     table_row: int = -1
 
 
+class MultiModalFeature(NamedTuple):
+    """One image of a request: where its placeholder tokens sit in the prompt, the
+    processor's pixels, and a hash of their content (the encoder cache's key)."""
+
+    identifier: str  # hex digest of the processed pixels
+    offset: int  # the position of its first placeholder token
+    length: int  # its placeholder tokens: the embeddings the encoder gives it
+    pixel_values: np.ndarray  # [1, 3, H, W] float32
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int  # consecutive; update_from_output() commits steps in this order
@@ -74,6 +84,9 @@ class SchedulerOutput:
     # With LoRA: each row's adapter slot on the device (0: the base model), set by the
     # engine (`engine/lora_slots.py`) once the slots hold the step's adapters.
     lora_slots: np.ndarray | None = None  # [len(scheduled)] int32
+    # A vision-language model's step: request id -> its images whose placeholder tokens
+    # the row holds (some of them), set by the engine (`engine/multimodal.py`).
+    mm_features: dict[str, tuple[MultiModalFeature, ...]] | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from jvllm.models import orbax_checkpoint
 from jvllm.models.expert_quantization import check_expert_split, expert_scheme, scale_name
 from jvllm.models.expert_tensors import ExpertCheckpoint, StackedExperts
 from jvllm.models.fused_tensors import FUSED_ARCHITECTURES, FusedProjections
+from jvllm.models.llava import vision_for
 from jvllm.models.packed_formats import check_split, checkpoint_scheme
 from jvllm.models.packed_tensors import PackedCheckpoint
 from jvllm.models.quantization import (
@@ -62,6 +63,8 @@ class LoadedModel:
     hf_config: dict[str, Any]
     # Decoder layers 0..n-1 keep their weights in pinned host memory (cpu_offload_gb).
     num_offloaded_layers: int = 0
+    # A vision-language model's vision side and its parameters (`models/llava.py`).
+    vision: tuple[Any, Params] | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -211,7 +214,8 @@ def load_model(
         params = _unflatten(flat)
     else:
         params = read_params(model_dir, abstract, spec, mesh, offloaded=offloaded)
-    return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded)
+    vision = vision_for(model_dir, spec, hf_config, target, mesh)
+    return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded, vision)
 
 
 def check_experts(spec: ModelSpec, mesh: Mesh | None) -> None:

@@ -13,6 +13,7 @@ from jvllm.models.deepseek_spec import deepseek_spec
 from jvllm.models.gemma import GemmaForCausalLM, gemma_spec
 from jvllm.models.gpt_oss import GptOssForCausalLM, gpt_oss_spec
 from jvllm.models.llama import CausalLM
+from jvllm.models.llava import LlavaForConditionalGeneration, llava_spec
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -22,6 +23,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": CausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "OlmoeForCausalLM": CausalLM,
@@ -37,6 +39,7 @@ _SPEC_READERS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
     "Gemma2ForCausalLM": gemma_spec,
     "Gemma3ForCausalLM": gemma_spec,
     "GptOssForCausalLM": gpt_oss_spec,
+    "LlavaForConditionalGeneration": llava_spec,
     "DeepseekV2ForCausalLM": deepseek_spec,
     "DeepseekV3ForCausalLM": deepseek_spec,
 }

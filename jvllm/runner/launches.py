@@ -59,7 +59,10 @@ class Launches:
         present = {k: v for k, v in arrays.items() if v is not None}
         self.publisher.publish(StepMessage(op, statics, present))
 
-    def _launch_forward(self, packed: np.ndarray, shape: BatchShape) -> None:
+    def _launch_forward(
+        self, packed: np.ndarray, shape: BatchShape, mm: tuple[np.ndarray, ...] | None = None
+    ) -> None:
+        """`mm`: image embeddings `[T, H]` and their mask `[T]` (a vision-language step)."""
         if self.publisher is not None:
             self._publish("forward", dataclasses.asdict(shape), packed=packed)
         draft_params = self.drafter.model.params if self.drafter is not None else None
@@ -72,6 +75,7 @@ class Launches:
             draft_params=draft_params,
             logits_buffer=self.logits_buffer,
             **({} if self.lora is None else {"lora_weights": self.lora.weights}),
+            **({} if mm is None else {"mm_inputs": self._put(mm)}),
         )
         if self.logits_buffer is not None:
             self.logits_buffer = logits

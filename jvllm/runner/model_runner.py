@@ -53,6 +53,7 @@ from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.parallel.step_channel import StepPublisher
 from jvllm.runner.block_copies import BlockCopier
 from jvllm.runner.drafter import Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter, ProposalInputs
+from jvllm.runner.encoder_runner import EncoderRunner, step_inputs
 from jvllm.runner.input_batch import (
     BatchShape,
     StepRow,
@@ -140,6 +141,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         self.num_target_layers = loaded.spec.num_layers
         self.mesh = mesh
         self.lora = DeviceLoRA(lora_config, loaded, mesh) if lora_config is not None else None
+        self.encoder = EncoderRunner(*loaded.vision) if loaded.vision is not None else None
         self.spec = loaded.spec
         self.block_size = block_size
         self.kv_dtype = jnp.dtype(cache_config.kv_dtype(loaded.dtype))
@@ -326,6 +328,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         shape: BatchShape | None = None,
         block_tables: np.ndarray | None = None,
         lora_slots: np.ndarray | None = None,
+        mm_features: dict | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         num_tokens = total_tokens(rows)
         if self.pp > 1:
@@ -339,7 +342,8 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots)
         self.token_slots[0] += num_tokens
         self.token_slots[1] += shape.num_tokens
-        self._launch_forward(packed, shape)
+        mm = step_inputs(self.encoder, rows, mm_features, shape.num_tokens)  # image embeddings
+        self._launch_forward(packed, shape, mm)
         assert self._last_forward is not None
         return self._last_forward
 
@@ -354,8 +358,8 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         """Queues the model over the step's rows and returns without waiting; its
         logits stay on the device for `sample`. Each row's block table is read from
         `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
-        rows = scheduled.scheduled
-        self._run_forward(rows, None, scheduled.block_tables, scheduled.lora_slots)
+        rows, tables = scheduled.scheduled, scheduled.block_tables
+        self._run_forward(rows, None, tables, scheduled.lora_slots, scheduled.mm_features)
         self._forward_rows = rows
 
     def sample(self, sampling: StepSampling) -> PendingStep:

@@ -93,11 +93,13 @@ class StepPrograms:
         draft_params: Any = None,
         logits_buffer: jax.Array | None = None,
         lora_weights: LoRAWeights | None = None,
+        mm_inputs: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         """Logits `[S, V]` (with `group_rows`: `[max_rows, V]` float32, written over
         `logits_buffer` when given, which the caller donates, else over zeros), the
         hidden states, the caches, the last input tokens and the features an EAGLE or Medusa
-        head reads. `lora_weights`: the device's LoRA slots, each token's slot in `packed`."""
+        head reads. `lora_weights`: the device's LoRA slots, each token's slot in `packed`.
+        `mm_inputs`: image embeddings `[T, H]` and mask `[T]`, merged at the image tokens."""
         params = self.bring_in(params)
         module = self.model.module
         split = self.num_target_layers
@@ -112,7 +114,7 @@ class StepPrograms:
                 adapters = applying_lora(lora_weights, inp.lora_slots)
             with adapters:
                 hidden, target_caches, feature_source = self.target_forward(
-                    params, caches[:split], inp
+                    params, caches[:split], inp, mm_inputs
                 )
             token_ids, logits_indices = inp.token_ids, inp.logits_indices
         draft_caches = caches[split:]
@@ -139,13 +141,18 @@ class StepPrograms:
         return logits, hidden, [*target_caches, *draft_caches], last_inputs, features
 
     def target_forward(
-        self, params: Any, caches: list[KVCache], inp: ModelInput
+        self,
+        params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        mm_inputs: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, list[KVCache], jax.Array]:
         """The target's final hidden states `[T, H]`, its caches, and the features a
         proposer reads: the final hidden states, or for an EAGLE-3 head the inputs of its
         aux layers concatenated `[T, 3H]` (collected only then)."""
         module = self.model.module
         args = ({"params": params}, inp.token_ids, inp.positions, caches, inp.attn)
+        args += tuple(mm_inputs) if mm_inputs is not None else ()
         layers = self.drafter.aux_layers if self.drafter is not None else ()
         if not layers:
             hidden, caches = module.apply(*args)

@@ -150,6 +150,16 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str  # a data: URL, or http(s) from --allowed-media-domains
+    detail: str | None = None
+
+
+class ImageURLPart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCallIn(Strict):
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
@@ -165,8 +175,8 @@ class ToolCallIn(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(
-        None, description="A string or a list of text parts"
+    content: str | list[TextPart | ImageURLPart] | None = Field(
+        None, description="A string or a list of text and image_url parts"
     )
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
@@ -174,8 +184,13 @@ class ChatMessage(Strict):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(part, ImageURLPart) for part in self.content
+        )
 
 
 class FunctionDefinition(Strict):

@@ -53,8 +53,13 @@ RETRY_AFTER_S = 1
 class Prompt:
     text: str | None  # None for a token prompt: the engine validates its ids first
     token_ids: list[int]
+    # Image URLs of the messages' image_url parts: the engine's processor loads them and
+    # expands their placeholders in `text` (token_ids then count no image tokens).
+    images: tuple[str, ...] = ()
 
     def engine_input(self) -> dict[str, Any]:
+        if self.images:
+            return {"prompt": self.text, "multi_modal_data": {"image": list(self.images)}}
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jvllm.engine.async_llm import RequestStream
+from jvllm.engine.multimodal import split_image_parts
 from jvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jvllm.sampling_params import SamplingParams
 
@@ -140,7 +141,7 @@ def render_chat(
             "this model's tokenizer has no chat template; start the server with --chat-template",
             param="messages",
         )
-    conversation = [_template_message(m) for m in messages]
+    conversation, images = split_image_parts([_template_message(m) for m in messages])
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -154,13 +155,15 @@ def render_chat(
         message = f"the chat template rejected the messages: {e}"
         raise APIError(400, message, param="messages") from None
     # The template already carries the special tokens it wants.
-    return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+    return Prompt(text, list(tokenizer.encode(text, add_special_tokens=False)), tuple(images))
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
     """A message as chat templates take it: tool calls with their arguments as objects
     (as Transformers' templates expect, and vLLM passes them)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.has_images():  # the parts, in order: `split_image_parts` takes the images out
+        out["content"] = [part.model_dump(exclude_none=True) for part in m.content or []]
     if m.tool_calls:
         out["tool_calls"] = [
             {

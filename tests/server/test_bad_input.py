@@ -18,6 +18,14 @@ MODEL = "tiny-llama"
 BODY_LIMIT = 65536
 C, H = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hello"}]
+# A 1x1 PNG as an image_url part: the text-only model refuses it.
+PNG_1X1 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+)
+IMAGE_PARTS = [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG_1X1}},
+    {"type": "text", "text": "hello"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +149,13 @@ def test_engine_validation_names_the_param(server, body, param, code):
     response = httpx.post(server.url + C, json=body, headers=auth_headers(), timeout=30)
     error = check_envelope(response, 400)
     assert (error["param"], error["code"]) == (param, code)
+
+
+def test_an_image_for_a_text_only_model_is_refused(server):
+    body = chat(messages=[{"role": "user", "content": IMAGE_PARTS}])
+    response = httpx.post(server.url + H, json=body, headers=auth_headers(), timeout=30)
+    error = check_envelope(response, 400)
+    assert error["param"] == "multi_modal_data" and "text only" in error["message"]
 
 
 def test_bad_stream_request_fails_before_the_stream(server):

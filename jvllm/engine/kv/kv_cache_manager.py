@@ -31,6 +31,7 @@ from jvllm.engine.kv.prefix import (
     root_hash,
 )
 from jvllm.engine.kv.swap_space import SwapSpace
+from jvllm.engine.multimodal import block_mm_keys
 from jvllm.engine.request import Request
 
 
@@ -432,7 +433,8 @@ class KVCacheManager:
         return self._block_hash(request, index), tuple(self._block_tokens(request, index))
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
-        return request.get_token_ids(index * self.block_size, (index + 1) * self.block_size)
+        start, stop = index * self.block_size, (index + 1) * self.block_size
+        return request.get_token_ids(start, stop) + block_mm_keys(request, start, stop)
 
     def _block_hash(self, request: Request, index: int) -> int:
         hashes = self._block_hashes.setdefault(request.request_id, [])

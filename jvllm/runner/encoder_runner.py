@@ -1,0 +1,92 @@
+"""The vision encoder's side of the runner: each image encoded once, and a step's
+image embeddings laid out over its tokens.
+
+Owns the jitted encoder program (one per image shape: a processor resizes every image
+to one size, so one program), the cache of its outputs by image content hash, and
+`step_inputs`: the `[T, H]` embeddings and `[T]` mask that the step's forward merges
+into its input embeddings. A row covering part of an image (a chunked prefill, or a
+prefix-cache hit that ends inside one) takes the matching slice of its embeddings.
+Not owned: the encoder's computation (`models/llava.py`) or which images a step covers
+(the engine's `SchedulerOutput.mm_features`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jvllm.engine.step_io import MultiModalFeature
+
+# Encoder outputs kept on the host (LRU): a request's chunks and a repeated image reuse them.
+ENCODER_CACHE_ENTRIES = 256
+
+
+class EncoderRunner:
+    def __init__(self, vision: Any, params: dict[str, Any]) -> None:
+        self.vision = vision
+        self.params = params
+        self._encode = jax.jit(vision.encode)
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()  # hash -> [L, H] float32
+        self.num_encoded = 0  # images run through the encoder
+
+    def embeddings(self, feature: MultiModalFeature) -> np.ndarray:
+        """`[L, H]` float32 embeddings of one image, encoded at its first use."""
+        cached = self.cache.get(feature.identifier)
+        if cached is not None:
+            self.cache.move_to_end(feature.identifier)
+            return cached
+        # A sync: the step that first covers the image waits for its embeddings.
+        out = np.asarray(self._encode(self.params, feature.pixel_values), np.float32)[0]
+        if out.shape[0] != feature.length:
+            raise ValueError(
+                f"image {feature.identifier[:12]} has {feature.length} placeholder tokens, "
+                f"the vision encoder gives {out.shape[0]} embeddings"
+            )
+        self.num_encoded += 1
+        self.cache[feature.identifier] = out
+        while len(self.cache) > ENCODER_CACHE_ENTRIES:
+            self.cache.popitem(last=False)
+        return out
+
+    def step_inputs(
+        self,
+        rows: Sequence[Any],
+        features: Mapping[str, Sequence[MultiModalFeature]],
+        num_tokens: int,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's image embeddings `[T, H]` float32 and mask `[T]` bool over its
+        `num_tokens` (padded) tokens, rows in order; None when no row holds an image token."""
+        embeds: np.ndarray | None = None
+        mask = np.zeros(num_tokens, np.bool_)
+        offset = 0
+        for row in rows:
+            start, n = row.start_position, len(row.token_ids)
+            for f in features.get(getattr(row, "request_id", ""), ()):
+                lo, hi = max(start, f.offset), min(start + n, f.offset + f.length)
+                if lo >= hi:
+                    continue
+                emb = self.embeddings(f)
+                if embeds is None:
+                    embeds = np.zeros((num_tokens, emb.shape[1]), np.float32)
+                embeds[offset + lo - start : offset + hi - start] = emb[
+                    lo - f.offset : hi - f.offset
+                ]
+                mask[offset + lo - start : offset + hi - start] = True
+            offset += n
+        return None if embeds is None else (embeds, mask)
+
+
+def step_inputs(
+    encoder: EncoderRunner | None,
+    rows: Sequence[Any],
+    features: Mapping[str, Sequence[MultiModalFeature]] | None,
+    num_tokens: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`encoder.step_inputs` for a step with images; None for a text-only step (or model)."""
+    if encoder is None or not features:
+        return None
+    return encoder.step_inputs(rows, features, num_tokens)
