@@ -57,7 +57,7 @@ def test_mtp_drafts_match_transformers_and_outputs_match_plain_decoding(target):
 
     hf, parts = load_reference(target)
     assert len(seen) > 60
-    for sequence, drafts in seen[::2]:
+    for sequence, drafts in seen[::4]:
         assert reference_drafts(hf, parts, sequence, len(drafts)) == drafts, sequence
 
 
