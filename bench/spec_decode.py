@@ -1,19 +1,21 @@
-"""Speculative decoding: output tokens/s and TPOT with and without a proposer.
+"""Speculative decoding: output tokens/s, acceptance and accepted length per method.
 
 The demo model (its text is not noise), greedy, on its corpus' chat prompts, with a
 fixed output length (ignore_eos), so each configuration emits the same tokens
-(checked). The demo model does not copy passages from its prompt (4.2M parameters,
-trained on 256-token cookies: a prompt holding a passage twice and then half of it is
-not continued with the rest), so n-gram lookup hits where its greedy text repeats
-itself, as small models' greedy text does. At each concurrency (requests in flight:
-`max_num_seqs`), the configurations run alternating (A B A B) and the medians are
-reported, with the draft acceptance rate and the mean tokens a verifying row emits.
-TPOT is measured per request from the engine's steps: (last token's time - first
-token's) / (tokens - 1).
+(checked). Methods: no speculation (with async scheduling, "overlap", on and off),
+n-gram lookup, a draft model (the demo drafting for itself: every greedy draft kept, the
+ceiling), the shipped EAGLE-1, EAGLE-3 and Medusa heads, and DeepSeek-V3's MTP layer
+on a tiny random V3 (`jvllm.testing.mtp`, its own no-speculation baseline; its drafts
+are random, so only its overhead means anything). Speculation runs with async
+scheduling off (the engine switches it off while speculating). One engine per
+configuration serves every concurrency: at concurrency c, c requests are in flight
+together. Reported: output tok/s (median of the repeats), the acceptance rate
+(accepted / drafted tokens), the mean accepted length per verifying row (accepted
+tokens / rows that verified drafts; vLLM's "mean acceptance length" is this plus one),
+and TPOT from the engine's steps.
 
-    python bench/spec_decode.py [--concurrency 1,4] [--num-prompts 8] [--max-tokens 128]
-        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}']
-        [--draft-model demo] [--eagle demo] [--num-draft-tokens 3]
+    python bench/spec_decode.py [--concurrency 1,4,32] [--max-tokens 48] [--repeats 2]
+        [--methods none,ngram,draft,eagle,eagle3,medusa,mtp] [--num-draft-tokens 3]
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 from bench import common
 from jvllm import LLM, SamplingParams
-from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_eagle_path, demo_model_path
+from jvllm.demo import DEMO_ENGINE_DEFAULTS, demo_model_path
 from jvllm.demo.corpus import PROMPTS
 
 DEFAULT_SPEC = {
@@ -84,83 +85,141 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
         output_tok_s=num_out / elapsed,
         tpot_median_ms=1e3 * statistics.median(tpots),
         acceptance_rate=accepted / drafted if drafted else None,
-        mean_emitted_per_verify=1 + accepted / rows if rows else None,
+        mean_accepted_length=accepted / rows if rows else None,
         outputs=[outputs[f"r{i}"] for i in range(len(prompts))],
     )
 
 
+METHODS = ("none", "ngram", "draft", "eagle", "eagle3", "medusa", "mtp")
+
+
+def method_configs(methods: list[str], k: int) -> dict[str, tuple[dict | None, bool]]:
+    """name -> (speculative_config, async_scheduling); heads are the demo's shipped ones."""
+    from jvllm.demo import with_shipped_head
+
+    demo = str(demo_model_path())
+    out: dict[str, tuple[dict | None, bool]] = {}
+    for m in methods:
+        if m == "none":
+            out["none_overlap"], out["none"] = (None, True), (None, False)
+        elif m == "ngram":
+            out[m] = ({**DEFAULT_SPEC, "num_speculative_tokens": k}, False)
+        elif m == "draft":
+            out[m] = ({"model": demo, "num_speculative_tokens": k}, False)
+        elif m in ("eagle", "eagle3", "medusa"):
+            spec = {"method": m, "num_speculative_tokens": k}
+            out[m] = (with_shipped_head(spec, demo), False)
+        elif m != "mtp":
+            raise SystemExit(f"--methods: {m!r} is not one of {METHODS}")
+    return out
+
+
+def mtp_target(root: Path) -> tuple[str, list[list[int]]]:
+    """A tiny random DeepSeek-V3 with an MTP layer, and 32 prompts of 24 tokens."""
+    import numpy as np
+
+    from jvllm.testing.checkpoints import write_word_tokenizer
+    from jvllm.testing.mtp import make_mtp_checkpoint
+
+    write_word_tokenizer(root / "tok", 256)
+    path = make_mtp_checkpoint(root / "v3", root / "tok", seed=0)
+    rng = np.random.default_rng(0)
+    return str(path), [[int(t) for t in rng.integers(4, 256, 24)] for _ in range(32)]
+
+
+def run_configs(
+    model: str,
+    configs: dict[str, tuple[dict | None, bool]],
+    prompts: list[list[int]],
+    concurrency: list[int],
+    args: argparse.Namespace,
+    engine_args: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """Every configuration at every concurrency; outputs checked equal to "none"'s."""
+    runs: dict[str, dict[str, Any]] = {}
+    outputs: dict[int, dict[str, list]] = {c: {} for c in concurrency}
+    top = max(concurrency)
+    for name, (spec, overlap) in configs.items():
+        llm = LLM(
+            model,
+            speculative_config=spec,
+            async_scheduling=overlap,
+            **{**engine_args, "max_num_seqs": top},
+        )
+        for c in concurrency:  # warm-up: every shape the workload uses
+            timed_run(llm, prompts[:c], 8)
+        for c in concurrency:
+            rs = [timed_run(llm, prompts[:c], args.max_tokens) for _ in range(args.repeats)]
+            got = [r.pop("outputs") for r in rs]
+            assert all(g == got[0] for g in got), f"{name} at c={c}: runs differ"
+            outputs[c][name] = got[0]
+            common.log(f"c={c} {name}: {rs[-1]['output_tok_s']:.0f} tok/s")
+            runs[f"c{c}_{name}"] = dict(
+                runs=rs,
+                output_tok_s=statistics.median(r["output_tok_s"] for r in rs),
+                tpot_median_ms=statistics.median(r["tpot_median_ms"] for r in rs),
+                acceptance_rate=rs[0]["acceptance_rate"],
+                mean_accepted_length=rs[0]["mean_accepted_length"],
+                speculative_config=spec,
+                async_scheduling=overlap,
+            )
+        del llm
+    for c, by_name in outputs.items():
+        for name, got in by_name.items():
+            assert got == by_name["none"], f"{name} at c={c} changed the greedy outputs"
+    return runs
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--concurrency", default="1,4", help="comma-separated max_num_seqs values")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--speculative-config", type=json.loads, default=DEFAULT_SPEC)
-    ap.add_argument(
-        "--draft-model",
-        help="also run a draft model (a checkpoint with the demo's vocabulary; 'demo': "
-        "the demo model drafting for itself, every greedy draft kept: the ceiling)",
-    )
-    ap.add_argument(
-        "--eagle",
-        help="also run an EAGLE-1 head for the demo model (a directory; 'demo': the shipped one)",
-    )
+    ap.add_argument("--concurrency", default="1,4,32", help="comma-separated requests in flight")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--num-draft-tokens", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "spec_decode.json")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "spec_decode_methods.json")
     args = ap.parse_args(argv)
     result = common.envelope(__file__, argv)
-    prompts = chat_prompts(args.num_prompts)
-    configs = {"none": None, args.speculative_config["method"]: args.speculative_config}
-    if args.draft_model:
-        draft = str(demo_model_path()) if args.draft_model == "demo" else args.draft_model
-        configs["draft"] = {"model": draft, "num_speculative_tokens": args.num_draft_tokens}
-    if args.eagle:
-        head = str(demo_eagle_path()) if args.eagle == "demo" else args.eagle
-        configs["eagle"] = {
-            "method": "eagle",
-            "model": head,
-            "num_speculative_tokens": args.num_draft_tokens,
-        }
-    table, runs = [], {}
-    for c in [int(x) for x in args.concurrency.split(",")]:
-        engine_args = {**DEMO_ENGINE_DEFAULTS, "max_num_seqs": c}
-        llms = {
-            name: LLM(str(demo_model_path()), speculative_config=spec, **engine_args)
-            for name, spec in configs.items()
-        }
-        for llm in llms.values():  # warm-up: every shape the workload uses
-            timed_run(llm, prompts[:c], 8)
-        got: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-        for _ in range(args.repeats):
-            for name, llm in llms.items():
-                got[name].append(timed_run(llm, prompts, args.max_tokens))
-                common.log(f"c={c} {name}: {got[name][-1]['output_tok_s']:.0f} tok/s")
-        outputs = {name: r[0].pop("outputs") for name, r in got.items()}
-        assert all(o == outputs["none"] for o in outputs.values()), "a proposer changed outputs"
-        for name, rs in got.items():
-            for r in rs:
-                r.pop("outputs", None)
-            tok_s = statistics.median(r["output_tok_s"] for r in rs)
-            tpot = statistics.median(r["tpot_median_ms"] for r in rs)
-            summary = dict(runs=rs, output_tok_s=tok_s, tpot_median_ms=tpot)
-            summary["acceptance_rate"] = rs[0]["acceptance_rate"]
-            summary["mean_emitted_per_verify"] = rs[0]["mean_emitted_per_verify"]
-            runs[f"c{c}_{name}"] = summary
-            base = runs[f"c{c}_none"]["output_tok_s"]
-            rate = summary["acceptance_rate"]
-            table.append(
-                [c, name, tok_s, tpot, "-" if rate is None else f"{100 * rate:.0f}%", tok_s / base]
-            )
-        del llms
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    methods = args.methods.split(",")
+    prompts = chat_prompts(max(concurrency))
+    configs = method_configs(methods, args.num_draft_tokens)
+    runs = run_configs(
+        str(demo_model_path()), configs, prompts, concurrency, args, dict(DEMO_ENGINE_DEFAULTS)
+    )
+    if "mtp" in methods:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            v3, v3_prompts = mtp_target(Path(tmp))
+            mtp = {"none": (None, False)}
+            mtp["mtp"] = ({"method": "deepseek_mtp", "num_speculative_tokens": 3}, False)
+            engine = dict(max_model_len=256, max_num_batched_tokens=256, dtype="float32")
+            got = run_configs(v3, mtp, v3_prompts, concurrency, args, engine)
+        runs.update({f"{k}_tiny_v3": v for k, v in got.items()})
+    table = []
+    for key, r in runs.items():
+        c, name = key.split("_", 1)
+        base = runs[f"{c}_none_tiny_v3" if key.endswith("tiny_v3") else f"{c}_none"]
+        rate, length = r["acceptance_rate"], r["mean_accepted_length"]
+        table.append(
+            [
+                c[1:],
+                name,
+                round(r["output_tok_s"], 1),
+                "-" if rate is None else f"{100 * rate:.0f}%",
+                "-" if length is None else round(length, 2),
+                round(r["output_tok_s"] / base["output_tok_s"], 2),
+            ]
+        )
     result.update(
         model=str(demo_model_path()),
-        num_prompts=args.num_prompts,
         max_tokens=args.max_tokens,
-        speculative_configs={k: v for k, v in configs.items() if v},
+        machine_note="shared 2-core CPU machine: other jobs ran at the same time; noisy",
         results=runs,
         same_outputs=True,
     )
-    headers = ["concurrency", "proposer", "output tok/s", "TPOT p50 ms", "accepted", "speed-up"]
+    headers = ["c", "method", "output tok/s", "accepted", "mean accepted len", "vs none"]
     print(common.format_table(headers, table))
     common.write_result(args.out, result)
 

@@ -155,7 +155,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "deepseek_mtp")
+# Other spellings vLLM accepts for a method.
+SPECULATIVE_ALIASES = {"mtp": "deepseek_mtp"}
 # The most draft tokens one row verifies (each costs a logits row of the step).
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = frozenset(
@@ -173,7 +175,9 @@ class SpeculativeConfig:
     for the target (`model`), which drafts from the target's hidden states (`"eagle3"`
     an EAGLE-3 head: three target layers fused, a draft vocabulary); `"medusa"`
     Medusa heads (`model`), each predicting one more token ahead from the target's hidden
-    state (at most their number of drafts)."""
+    state (at most their number of drafts); `"deepseek_mtp"` (or `"mtp"`) the target's own
+    multi-token prediction layer (DeepSeek-V3; `model` defaults to the target), reused
+    for every draft."""
 
     method: str
     num_speculative_tokens: int
@@ -216,6 +220,8 @@ class SpeculativeConfig:
         )
 
     def __post_init__(self) -> None:
+        if self.method in SPECULATIVE_ALIASES:
+            object.__setattr__(self, "method", SPECULATIVE_ALIASES[self.method])
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
@@ -241,6 +247,8 @@ class SpeculativeConfig:
                 )
             if self.model is not None:
                 raise ValueError("speculative_config method 'ngram' takes no 'model'")
+        elif self.method == "deepseek_mtp" and self.model is None:
+            pass  # the target's own checkpoint
         elif not isinstance(self.model, str) or not self.model:
             raise ValueError(
                 f"speculative_config method {self.method!r} needs 'model', a checkpoint path"

@@ -247,11 +247,11 @@ class EngineArgs:
             draft = load_draft(
                 speculative.model, self.dtype, backend, mesh, loaded, max_model_len, tokenizer
             )
-        elif speculative is not None and speculative.method in ("eagle", "eagle3"):
-            assert speculative.model is not None
-            draft = load_eagle_head(speculative.model, loaded, backend, mesh, speculative.method)
-            check_draft_length(speculative.model, draft, max_model_len)
-            logger.info("EAGLE head: %s (%.1f MiB)", speculative.model, draft.weight_bytes / 2**20)
+        elif speculative is not None and speculative.method in ("eagle", "eagle3", "deepseek_mtp"):
+            head = speculative.model or self.model  # an MTP layer: the target's own by default
+            draft = load_eagle_head(head, loaded, backend, mesh, speculative.method)
+            check_draft_length(head, draft, max_model_len)
+            logger.info("EAGLE head: %s (%.1f MiB)", head, draft.weight_bytes / 2**20)
         elif speculative is not None and speculative.method == "medusa":
             k = speculative.num_speculative_tokens
             draft = load_medusa_heads(speculative.model or "", loaded, k, mesh)

@@ -2,11 +2,12 @@
 
 `jvllm serve` and `LLM()` run it when given no model. This package owns where it lives,
 its name and the engine limits it is served with; `corpus`, `tokenizer`, `train` and
-`export` rebuild it (`python -m jvllm.demo.train --out DIR`); an EAGLE-1 head and Medusa
-heads trained for it ship beside it (`demo_eagle_path()`, `demo_medusa_path()`; `python
--m jvllm.demo.train_eagle`, `train_medusa`), for speculative decoding, and a
-speculative_config naming "eagle" or "medusa" without a model uses them on the demo
-model (`with_shipped_head`). Importing this module
+`export` rebuild it (`python -m jvllm.demo.train --out DIR`); an EAGLE-1 head, an EAGLE-3
+head and Medusa heads trained for it ship beside it (`demo_eagle_path()`,
+`demo_eagle3_path()`, `demo_medusa_path()`; `python -m jvllm.demo.train_eagle`,
+`train_eagle3`, `train_medusa`), for speculative decoding, and a speculative_config
+naming "eagle", "eagle3" or "medusa" without a model uses them on the demo model
+(`with_shipped_head`). Importing this module
 imports neither jax nor the training code.
 """
 
@@ -21,6 +22,7 @@ DEMO_NAME = "jvllm-demo"
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
 DEMO_EAGLE_DIR = Path(__file__).parent / "eagle"
 DEMO_MEDUSA_DIR = Path(__file__).parent / "medusa"
+DEMO_EAGLE3_DIR = Path(__file__).parent / "eagle3"
 # Engine defaults for the demo, applied unless the caller sets them: its context is 1024
 # positions (trained on 256), and it is small enough that CPU float32 is the fast path.
 DEMO_ENGINE_DEFAULTS: dict[str, Any] = dict(
@@ -60,10 +62,21 @@ def demo_medusa_path() -> Path:
     return DEMO_MEDUSA_DIR
 
 
+def demo_eagle3_path() -> Path:
+    """The shipped EAGLE-3 head for the demo model (speculative_config's "model")."""
+    if not (DEMO_EAGLE3_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo EAGLE-3 head is missing from {DEMO_EAGLE3_DIR}; reinstall jvllm, or "
+            "rebuild it with `python -m jvllm.demo.train_eagle3 --out " + str(DEMO_EAGLE3_DIR) + "`"
+        )
+    return DEMO_EAGLE3_DIR
+
+
 def with_shipped_head(speculative: dict[str, Any], model: str | None) -> dict[str, Any]:
     """`speculative` (vLLM's speculative_config dict) with the demo's shipped head as its
-    "model" where it names "eagle" or "medusa" without one and `model` is the demo."""
-    heads = {"eagle": demo_eagle_path, "medusa": demo_medusa_path}
+    "model" where it names "eagle", "eagle3" or "medusa" without one and `model` is the
+    demo."""
+    heads = {"eagle": demo_eagle_path, "eagle3": demo_eagle3_path, "medusa": demo_medusa_path}
     method = speculative.get("method")
     if method not in heads or speculative.get("model") is not None or model is None:
         return speculative

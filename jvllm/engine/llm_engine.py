@@ -94,7 +94,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler_config.max_model_len
         spec = config.speculative_config
-        on_device = spec is not None and spec.method in ("draft_model", "eagle", "eagle3", "medusa")
+        on_device = spec is not None and spec.method != "ngram"
         # A draft model or EAGLE head writes its proposals' K/V past the scheduled
         # positions (Medusa heads keep no K/V).
         lookahead = on_device and spec.method != "medusa"

@@ -5,8 +5,9 @@ Owns choosing which sequences a proposer drafts for and how many tokens each may
 the runner's draft model or EAGLE head), reading a verified row's outcome, and vLLM's
 spec_decode_* counters. The drafts ride in the next decode row (the scheduler's lookahead
 slots); the target scores every position of the row in one step. An EAGLE head (method
-"eagle", "eagle3") also needs the rows that take no drafts (prefill chunks, sequences at their
-limit): its proposal program rewrites each row's last entry, from the token after it. For n-gram
+"eagle", "eagle3") or an MTP layer ("deepseek_mtp") also needs the rows that take no
+drafts (prefill chunks, sequences at their limit): its proposal program rewrites each
+row's last entry, from the token after it. For n-gram
 drafts the sampler draws each position's token exactly as a step without drafts would
 (the same processors, the same per-request seed and output index), so greedy and seeded
 outputs are token for token those of decoding without speculation; a draft model's or
@@ -60,7 +61,7 @@ class Speculator:
         block_table: Callable[[str], list[int]] | None = None,
     ) -> None:
         """`draft_model` (the runner) and `block_table` (a request's block table) for
-        methods "draft_model", "eagle" and "eagle3"; n-gram lookup needs neither."""
+        methods "draft_model", "eagle", "eagle3" and "deepseek_mtp"; n-gram lookup needs neither."""
         self.config = config
         self.max_model_len = max_model_len
         self.draft_model = draft_model
@@ -109,7 +110,7 @@ class Speculator:
     @property
     def wants_every_row(self) -> bool:
         """An EAGLE head rewrites every row's last entry, drafts or none."""
-        return self.config.method in ("eagle", "eagle3")
+        return self.config.method in ("eagle", "eagle3", "deepseek_mtp")
 
     def _propose_on_device(self, sequences: Sequence[StepSequence]) -> None:
         assert self.draft_model is not None and self.block_table is not None

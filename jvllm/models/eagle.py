@@ -80,12 +80,16 @@ def load_eagle_head(
     method: str = "eagle",
 ) -> LoadedModel:
     """An EAGLE-1 head for `target` (an EAGLE-3 head, `models.eagle3`, with method
-    "eagle3"), in the target's dtype and on its mesh; errors name what does not fit the
-    target."""
+    "eagle3"; DeepSeek-V3's MTP layer, `models.deepseek_mtp`, with "deepseek_mtp"), in
+    the target's dtype and on its mesh; errors name what does not fit the target."""
     if method == "eagle3":
         from jvllm.models.eagle3 import load_eagle3_head
 
         return load_eagle3_head(path, target, backend, mesh)
+    if method == "deepseek_mtp":
+        from jvllm.models.deepseek_mtp import load_mtp_layer
+
+        return load_mtp_layer(path, target, backend, mesh)
     path = Path(path)
     config = read_config(path)
     arch = (config.get("architectures") or ["?"])[0]

@@ -30,6 +30,10 @@ its features are three target layers' inputs (`aux_layers`, `[T, 3H]`) fused by 
 `fc`, it feeds its own output (before its final norm) forward, and it scores with its
 own draft vocabulary mapped to target ids.
 
+DeepSeek-V3's MTP layer (`MTPDrafter`, `jvllm.models.deepseek_mtp`) proposes as EAGLE-1
+does from the target's final hidden states, feeding its own output forward, and scores
+with its shared head.
+
 Medusa heads (`MedusaDrafter`, `jvllm.models.medusa`) have no cache: `propose` scores
 each row's feature (the target's hidden state at the logits row its newest token came
 from) with every head at once and takes each head's argmax, with a one-hot q.
@@ -237,6 +241,60 @@ class Eagle3Drafter(EagleDrafter):
         return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
 
 
+class MTPDrafter(EagleDrafter):
+    """DeepSeek-V3's MTP layer (`jvllm.models.deepseek_mtp`): as EAGLE-1, its features
+    are the target's final hidden states and its later steps feed its own output back;
+    it scores with its `shared_head` (the target's lm_head where it has none)."""
+
+    def _head(self, params: Any, *args: Any, method: str | None = None) -> Any:
+        module = self.model.module
+        return module.apply({"params": params}, *args, method=method or "__call__")
+
+    def _embeds(self, params: Any, target_params: Any, token_ids: jax.Array) -> jax.Array:
+        if self.model.module.own_embedding:
+            return self._head(params, token_ids, method="embed")
+        return self._embed(target_params, token_ids)
+
+    def _logits(self, params: Any, target_params: Any, x: jax.Array) -> jax.Array:
+        normed = self._head(params, x, method="head_norm")
+        if self.model.module.own_head:
+            return self._head(params, normed, method="logits")
+        target = self.target.module
+        return target.apply({"params": target_params}, normed, method=target.logits)
+
+    def write_kv(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        inp: ModelInput,
+        hidden: jax.Array,
+    ) -> list[KVCache]:
+        """As EAGLE-1's: entry i from the next token of the batch and the feature at i."""
+        embeds = self._embeds(params, target_params, jnp.roll(inp.token_ids, -1))
+        _, caches = self._head(params, embeds, hidden, inp.positions, caches, inp.attn)
+        return caches
+
+    def propose(
+        self,
+        params: Any,
+        target_params: Any,
+        caches: list[KVCache],
+        rows: ProposalInputs,
+        features: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
+        """As `EagleDrafter.propose`, the one layer reused for every step."""
+
+        def step(token, pos, attn, feature, caches):
+            embeds = self._embeds(params, target_params, token)
+            out, caches = self._head(params, embeds, feature, pos, caches, attn)
+            return out, out, caches
+
+        score = lambda h: self._logits(params, target_params, h)
+        first = features[rows.feature_rows]
+        return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+
+
 class MedusaDrafter(Drafter):
     """Medusa heads over the target's hidden state: k drafts from one feature per row."""
 
@@ -266,6 +324,26 @@ class MedusaDrafter(Drafter):
         drafts = argmax_rows(logits[:, : self.k].reshape(-1, logits.shape[-1]))  # [S * k]
         q = jax.nn.one_hot(drafts, logits.shape[-1], dtype=jnp.float32)
         return drafts.reshape(-1, self.k).astype(jnp.int32), q, caches
+
+
+def make_drafter(
+    draft: LoadedModel | None, target: LoadedModel, k: int, block_size: int
+) -> Drafter | None:
+    """The proposer for `draft` (a draft model or a head, by its module), if any."""
+    from jvllm.models.deepseek_mtp import DeepseekMTP
+    from jvllm.models.eagle import EagleHead
+    from jvllm.models.eagle3 import Eagle3Head
+    from jvllm.models.medusa import MedusaHeads
+
+    if draft is None:
+        return None
+    heads = {Eagle3Head: Eagle3Drafter, EagleHead: EagleDrafter, DeepseekMTP: MTPDrafter}
+    for kind, cls in heads.items():
+        if isinstance(draft.module, kind):
+            return cls(draft, target, k, block_size)
+    if isinstance(draft.module, MedusaHeads):
+        return MedusaDrafter(draft, k, block_size)
+    return Drafter(draft, k, block_size)
 
 
 def draft_steps(

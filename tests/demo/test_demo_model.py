@@ -206,3 +206,32 @@ def test_the_shipped_medusa_heads_draft_as_torch_and_are_often_right(llm, hf):
     heads = load_heads(demo_medusa_path())
     for sequence, drafts in seen[::4]:
         assert reference_drafts(hf, heads, sequence, len(drafts)) == drafts
+
+
+def test_the_shipped_eagle3_head_drafts_as_transformers_and_is_often_right(llm, hf):
+    """The demo's EAGLE-3 head, chosen by naming the method without a model: greedy
+    outputs equal plain decoding, over a quarter of its drafts are kept, and each proposal
+    equals a head built from Transformers' layers on Transformers' aux hidden states."""
+    from jvllm.demo import demo_eagle3_path
+    from jvllm.testing.eagle3 import load_head, reference_drafts
+    from tests.e2e.test_eagle import _record_drafts
+
+    config = {"method": "eagle3", "num_speculative_tokens": 3}
+    spec = LLM(
+        speculative_config=config, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    assert spec.llm_engine.config.speculative_config.model == str(demo_eagle3_path())
+    seen = _record_drafts(spec)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy, use_tqdm=False)] == want
+    m = spec.get_metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0.25 * m["spec_decode_num_draft_tokens"]
+    head, target_ids = load_head(demo_eagle3_path())
+    layers = spec.llm_engine.runner.drafter.aux_layers
+    assert list(layers) == [1, 2, 3]
+    for sequence, drafts in seen[::4]:
+        assert reference_drafts(hf, head, target_ids, layers, sequence, len(drafts)) == drafts
+    # Small beside the target: under half its bytes.
+    size = (demo_eagle3_path() / "model.safetensors").stat().st_size
+    assert size < 0.5 * (DEMO_MODEL_DIR / "model.safetensors").stat().st_size
