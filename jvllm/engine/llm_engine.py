@@ -93,8 +93,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler_config.max_model_len
         spec = config.speculative_config
         on_device = spec is not None and spec.method in ("draft_model", "eagle", "eagle3", "medusa")
-        # A draft model or EAGLE head writes its proposals' K/V past the scheduled
-        # positions (Medusa heads keep no K/V).
+        # A draft model or EAGLE head writes K/V past the scheduled positions (not Medusa).
         lookahead = on_device and spec.method != "medusa"
         self.scheduler = Scheduler(
             config.scheduler_config,
@@ -103,6 +102,7 @@ class LLMEngine:
             num_host_blocks,
             num_tier_blocks,
             spec.num_speculative_tokens if lookahead else 0,
+            getattr(runner, "kv_sliding_window", None),  # a runner's hybrid KV layout
         )
         self._rng = random.Random(config.model_config.seed)
         self.speculator = None
