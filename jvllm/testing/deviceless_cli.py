@@ -44,7 +44,7 @@ from jvllm.testing.deviceless import (
     model_on,
 )
 from jvllm.testing.deviceless_attention import BAD_LAUNCHES, check_attention, check_bad_launch
-from jvllm.testing.deviceless_mla import check_mla_stack
+from jvllm.testing.deviceless_mla import check_mla_decode_kernel, check_mla_stack
 from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
 
 
@@ -59,7 +59,7 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
 
 
 # "mla" (DeepSeek-V3-shaped, about 2 minutes on two cores) is not in CI's sections yet.
-SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla")
+SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla", "mla-kernel")
 
 # Attention of other models' shapes, the Triton kernel alone at their per-layer options:
 # (query heads, KV heads, head dim) and the options of their layers.
@@ -126,6 +126,8 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         report["moe"]["expert_parallel"] = check_moe_expert_parallel(target)
     if "mla" in sections:  # DeepSeek-V3-shaped: latent attention, 256 experts in groups
         report["mla"] = check_mla_stack(target)
+    if "mla-kernel" in sections:  # the Triton MLA decode kernel alone, V3's shapes
+        report["mla_kernel"] = check_mla_decode_kernel(target)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
@@ -145,6 +147,7 @@ def summary(report: dict[str, Any]) -> str:
                 f"  temp {_mib(p['temp_bytes'])}"
             )
     variants = [dict(model="variants", kernels=report.get("variants", []))]
+    variants.append(dict(model="mla", kernels=report.get("mla_kernel", [])))
     for m in report["models"] + report["tensor_parallel"] + variants:
         for k in m["kernels"]:
             lines.append(
