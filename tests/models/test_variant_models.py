@@ -190,7 +190,8 @@ def watch_sliding_blocks(llm: LLM) -> list[int]:
     return held
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+# gpt-oss's engine here compiles programs no other test shares (20 s): slow.
+@pytest.mark.parametrize("arch", ["gemma2", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_sliding_window_blocks_are_freed_in_long_decodes(
     arch, variant_checkpoints, variant_hf_models, tokenizer_dir
 ):
