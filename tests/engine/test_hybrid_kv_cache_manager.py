@@ -1,5 +1,7 @@
 """HybridKVCacheManager: a sliding group freed behind the window, shared pool, forks."""
 
+import pytest
+
 from jvllm.engine.kv.block_pool import NULL_BLOCK
 from jvllm.engine.kv.hybrid_kv_cache_manager import HybridKVCacheManager
 from jvllm.engine.request import Request
@@ -61,3 +63,15 @@ def test_forked_child_shares_both_groups_and_copies_on_write():
     kv.free("a")
     kv.free("b")
     assert kv.num_allocated_blocks == 0
+
+
+def test_a_pool_too_small_for_one_sequence_and_its_window_is_refused():
+    from jvllm.config import CacheConfig
+    from jvllm.engine.kv.hybrid_kv_cache_manager import new_kv_cache_manager
+
+    cache = CacheConfig(block_size=8, enable_prefix_caching=False)
+    # 8 full blocks for 64 tokens, 2 + 1 sliding ones for a window of 12, the null block.
+    kv = new_kv_cache_manager(cache, MAX_LEN, 12, 0, 0, 0, 12)
+    assert isinstance(kv, HybridKVCacheManager)
+    with pytest.raises(ValueError, match="num_blocks=11 .* needs 12 blocks"):
+        new_kv_cache_manager(cache, MAX_LEN, 11, 0, 0, 0, 12)

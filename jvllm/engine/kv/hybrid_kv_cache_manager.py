@@ -152,4 +152,14 @@ def new_kv_cache_manager(
             max_model_len,
         )
     assert not (prefix_caching or num_lookahead_tokens), "the runner refuses these"
+    # One sequence of max_model_len holds every full block and a window's sliding ones.
+    needed = cdiv(max_model_len, block_size) + cdiv(sliding_window, block_size) + 1
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"num_blocks={num_blocks} (one reserved) cannot hold one sequence of "
+            f"max_model_len={max_model_len} tokens in the hybrid KV layout, which needs "
+            f"{needed + 1} blocks of block_size={block_size} (its sliding window "
+            f"{sliding_window} included); lower max_model_len or give the KV cache more "
+            "memory (gpu_memory_utilization, num_gpu_blocks_override)"
+        )
     return HybridKVCacheManager(num_blocks, block_size, sliding_window, max_model_len)
