@@ -69,7 +69,10 @@ step memory 90 "${OWNED[@]}" "$PY" bench/gpu_memory.py --output "$RESULTS/gpu_me
 # The image lacks the server's packages; its tests are CPU tests, so leave them out then.
 IGNORE=()
 "$PY" -c "import starlette, pydantic, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/server)
-step gpu-tests 240 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${IGNORE[@]}" tests
+step gpu-tests 240 "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${IGNORE[@]}" \
+  --ignore=tests/kernels/test_triton_mla.py tests
+# The MLA decode kernel at DeepSeek-V3's shapes against the reference, case by case.
+step mla-kernel 120 "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider tests/kernels/test_triton_mla.py
 step kernel 240 "$PY" bench/kernel.py --sweep 256 --output "$RESULTS/kernel.json"
 if [ "$(left)" -gt 330 ]; then
   # The demo model with and without n-gram lookup and its EAGLE head, at 1 and 4 sequences.
@@ -105,6 +108,12 @@ fi
 echo
 echo "=== gpu tests"
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)" "$LOGS/gpu-tests.log" | tail -8
+echo "=== MLA decode kernel (DeepSeek-V3 shapes): this GPU's test | deviceless ptxas prediction"
+grep -E "(PASSED|FAILED|SKIPPED|ERROR)" "$LOGS/mla-kernel.log" | tail -4
+"$PY" -c "import json
+for k in json.load(open('bench/results/mla_kernel_deviceless_h200.json'))['kernels']:
+    print(f\"  {k['label']:24} {k['kernel_name']:20} {k['registers']} regs \"
+          f\"{k['spill_bytes']} B spilled {k['shared_bytes']} B smem\")"
 echo "=== kernel: decode attention, bf16, 32/8 heads, head_dim 128 (goal: batch 256, ctx 4096 >= 80%)"
 if [ -f "$RESULTS/kernel.json" ]; then
   "$PY" -c "import json, sys; sys.path.insert(0, '.'); from bench import kernel

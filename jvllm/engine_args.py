@@ -38,6 +38,7 @@ from jvllm.generation_config import generation_config_dir
 from jvllm.kv_offload.setup import attach_fs_tier, host_tier_gib
 from jvllm.lora.config import LoRAConfig
 from jvllm.models.eagle import load_eagle_head
+from jvllm.models.kv_groups import hybrid_sliding_window
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.medusa import load_medusa_heads
 from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
@@ -410,4 +411,6 @@ def _block_bytes(
     itemsize = np.dtype(cache.kv_dtype(loaded.dtype)).itemsize
     models = [loaded] + ([draft] if draft is not None else [])
     per_tp = sum(memory.kv_block_bytes(m.spec, cache.block_size, itemsize, tp) for m in models)
+    if hybrid_sliding_window(loaded.spec, cache.enable_prefix_caching, draft is not None, pp):
+        per_tp //= 2  # a full and a sliding layer share each array (`models/kv_groups.py`)
     return per_tp // pp

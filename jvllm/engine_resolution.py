@@ -83,11 +83,15 @@ def resolve_backend(backend: str) -> str:
 
 
 def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
+    # Dynamic NTK stretches the window by its factor (vLLM derives the same limit).
+    factor = spec.rope.factor if spec.rope.rope_type == "dynamic" else 1.0
+    limit = int(spec.max_position_embeddings * factor)
     if requested is None:
-        return spec.max_position_embeddings
-    if requested > spec.max_position_embeddings:
+        return limit
+    if requested > limit:
+        scaled = f" x dynamic rope factor {factor}" if factor != 1.0 else ""
         raise ValueError(
             f"max_model_len={requested} exceeds the model's max_position_embeddings="
-            f"{spec.max_position_embeddings}"
+            f"{spec.max_position_embeddings}{scaled}"
         )
     return requested

@@ -105,6 +105,7 @@ class LLMEngine:
             num_host_blocks,
             num_tier_blocks,
             spec.num_speculative_tokens if lookahead else 0,
+            getattr(runner, "kv_sliding_window", None),  # a runner's hybrid KV layout
         )
         self._rng = random.Random(config.model_config.seed)
         self.speculator = None

@@ -74,8 +74,9 @@ class PoolingEngine:
         self.runner = runner
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
+        hybrid = getattr(runner, "kv_sliding_window", None)  # a runner's hybrid KV layout
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, num_host_blocks, 0
+            config.scheduler_config, config.cache_config, num_blocks, num_host_blocks, 0, 0, hybrid
         )
         self.structured_outputs = NoStructuredOutputs()
         self.requests: dict[str, _Pooling] = {}

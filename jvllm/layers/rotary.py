@@ -192,6 +192,38 @@ def rope_cos_sin(
     return rotary_cos_sin(positions, inv, dtype, scaling)
 
 
+def token_seq_lens(
+    query_start_loc: jax.Array,  # [S + 1] int32
+    seq_lens: jax.Array,  # [S] int32
+    num_tokens: int,
+) -> jax.Array:  # [T] int32
+    """Each token's sequence length once this step's tokens are in (its row's seq_len;
+    a padding token's is its padding row's, 0, or the last row's)."""
+    row = jnp.searchsorted(query_start_loc, jnp.arange(num_tokens), side="right") - 1
+    return seq_lens[jnp.clip(row, 0, seq_lens.shape[0] - 1)]
+
+
+def step_cos_sin(
+    rope: RopeSpec,
+    head_dim: int,
+    positions: jax.Array,  # [T] int32
+    query_start_loc: jax.Array,  # [S + 1] int32
+    seq_lens: jax.Array,  # [S] int32
+    inv_freq: np.ndarray,  # [D / 2]: `inverse_frequencies`, for the other types
+    dtype: jnp.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin `[T, D]` of a step of the Llama-family models. Dynamic NTK takes each
+    token's rope length from its sequence's length after this step: Transformers'
+    `max(position_ids) + 1` of a batch-of-one generation when the prompt runs in one
+    step (the whole prompt's length for every prompt token, position + 1 for each
+    decoded one). A prompt prefilled in several chunks, or recomputed after preemption,
+    takes each chunk's end instead. Every other type uses `inv_freq`."""
+    if rope.rope_type == "dynamic":
+        lens = token_seq_lens(query_start_loc, seq_lens, positions.shape[0])
+        return rope_cos_sin(rope, head_dim, positions, dtype, lens)
+    return rotary_cos_sin(positions, inv_freq, dtype, attention_scaling(rope))
+
+
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x `[T, H, D]` rotated by position; cos/sin `[T, D]`."""
     half = x.shape[-1] // 2

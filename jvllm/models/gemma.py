@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.rotary import LENGTH_DEPENDENT, rope_cos_sin
+from jvllm.models.kv_groups import layer_kv
 from jvllm.models.layer_attention import (
     LayerAttention,
     LayerOptions,
@@ -220,11 +221,13 @@ class GemmaModel(nn.Module):
         local_cs = global_cs
         if options.local_rope is not None:
             local_cs = rope_cos_sin(options.local_rope, s.head_dim, positions, self.dtype)
-        new_caches = []
-        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+        # One cache array per layer, or one per full/sliding pair (`kv_groups`).
+        index, metas = layer_kv(options.layer_windows, caches, meta, positions)
+        new_caches = list(caches)
+        for i, layer in enumerate(self.layers):
             local = options.layer_windows[i] is not None
-            x, cache = layer(x, local_cs if local else global_cs, cache, meta)
-            new_caches.append(cache)
+            cs, j = local_cs if local else global_cs, index[i]
+            x, new_caches[j] = layer(x, cs, new_caches[j], metas[i])
         return self.norm(x), new_caches
 
 

@@ -29,6 +29,7 @@ from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.grouped_matmul import ExpertBiases
 from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
 from jvllm.layers.rotary import LENGTH_DEPENDENT, rope_cos_sin
+from jvllm.models.kv_groups import layer_kv
 from jvllm.models.layer_attention import LayerAttention, LayerOptions, layer_windows
 from jvllm.models.llama import LMHead, vocab_projection
 from jvllm.models.mxfp4 import GptOssCheckpoint
@@ -225,10 +226,11 @@ class GptOssModel(nn.Module):
         s = self.spec
         x = self.embed_tokens(token_ids)  # [T, H]
         cos_sin = rope_cos_sin(s.rope, s.head_dim, positions, self.dtype)  # YaRN-scaled
-        new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x, cache = layer(x, cos_sin, cache, meta)
-            new_caches.append(cache)
+        # One cache array per layer, or one per full/sliding pair (`kv_groups`).
+        index, metas = layer_kv(s.variant.layer_windows, caches, meta, positions)
+        new_caches = list(caches)
+        for i, layer in enumerate(self.layers):
+            x, new_caches[index[i]] = layer(x, cos_sin, new_caches[index[i]], metas[i])
         return self.norm(x), new_caches
 
 

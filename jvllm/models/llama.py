@@ -27,12 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jvllm.layers.attention import AttentionMetadata, KVCache, paged_attention
 from jvllm.layers.expert_weights import ExpertWeight, QuantizedExperts
 from jvllm.layers.moe import Routing, grouped_expert_mlp, route, sharded_expert_mlp
-from jvllm.layers.rotary import (
-    apply_rotary,
-    attention_scaling,
-    inverse_frequencies,
-    rotary_cos_sin,
-)
+from jvllm.layers.rotary import apply_rotary, inverse_frequencies, step_cos_sin
 from jvllm.models.expert_quantization import expert_scheme
 from jvllm.models.quantization import (
     BlockFloatWeights,
@@ -304,8 +299,8 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, list[KVCache]]:
         x = self.embed_tokens(token_ids)  # [T, H]
-        scaling = attention_scaling(self.spec.rope)  # LongRoPE's; 1 for the others
-        cos_sin = rotary_cos_sin(positions, self.inv_freq, self.dtype, scaling)
+        s, q = self.spec, (meta.query_start_loc, meta.seq_lens)  # dynamic NTK's lengths
+        cos_sin = step_cos_sin(s.rope, s.head_dim, positions, *q, self.inv_freq, self.dtype)
         new_caches = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             # Layer i's input, for an EAGLE-3 head (vLLM's aux hidden state i); a no-op
@@ -375,7 +370,8 @@ def stage_forward(
     s = module.spec
     positions, meta = inputs
     inv_freq = inverse_frequencies(s.rope, s.head_dim, s.rope_seq_len)
-    cos_sin = rotary_cos_sin(positions, inv_freq, module.dtype, attention_scaling(s.rope))
+    q = (meta.query_start_loc, meta.seq_lens)  # dynamic NTK's lengths
+    cos_sin = step_cos_sin(s.rope, s.head_dim, positions, *q, inv_freq, module.dtype)
     new_caches = []
     for j, (params, cache) in enumerate(zip(layer_params, caches, strict=True)):
         layer = DecoderLayer(s, module.dtype, module.backend, module.mesh, layer_index=j)

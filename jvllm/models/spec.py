@@ -16,7 +16,7 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # Rope types every model class applies; Phi-3 also applies longrope (its factors chosen
 # by `ModelSpec.rope_seq_len`) and DeepSeek yarn. Dynamic NTK needs per-row lengths.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",

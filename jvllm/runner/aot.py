@@ -170,7 +170,7 @@ class CompileOnlyRunner(ModelRunner):
             jax.ShapeDtypeStruct((*shape, d), self.kv_dtype, sharding=sharding)
             for d in (k_dim, v_dim)
         )
-        return [(k, v) for _ in range(s.num_layers)]
+        return [(k, v) for _ in range(self.num_target_layers)]  # pairs in the hybrid layout
 
     def _put(self, tree: Any) -> Any:
         return tree  # host arrays stay numpy until a program call places them (to_target)

@@ -38,12 +38,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.step_io import DraftRow, SchedulerOutput, StepSampling
 from jvllm.layers import sampler
 from jvllm.lora.config import LoRAConfig
+from jvllm.models.kv_groups import hybrid_sliding_window, num_kv_arrays
 from jvllm.models.loader import HOST_MEMORY, LoadedModel
 from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import schedule_utilization
@@ -127,7 +128,11 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         self.model = loaded
         k, block_size = num_lookahead_tokens, cache_config.block_size
         self.drafter: Drafter | None = make_drafter(draft, loaded, k, block_size)
-        self.num_target_layers = loaded.spec.num_layers
+        # The hybrid KV layout's sliding window (`models/kv_groups.py`), read by the engine.
+        self.kv_sliding_window = hybrid_sliding_window(
+            loaded.spec, cache_config.enable_prefix_caching, draft is not None, self.pp
+        )
+        self.num_target_layers = num_kv_arrays(loaded.spec, self.kv_sliding_window is not None)
         self.mesh = mesh
         self.lora = DeviceLoRA(lora_config, loaded, mesh) if lora_config is not None else None
         self.encoder = EncoderRunner(*loaded.vision) if loaded.vision is not None else None
@@ -137,7 +142,8 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         self.num_blocks = num_blocks
         self.max_num_seqs = scheduler_config.max_num_seqs
         max_model_len = scheduler_config.max_model_len
-        self.width = math.ceil(max_model_len / block_size)
+        # Both groups' tables side by side in the hybrid layout.
+        self.width = math.ceil(max_model_len / block_size) * (2 if self.kv_sliding_window else 1)
         self.token_buckets = token_buckets(
             scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
         )
@@ -253,20 +259,6 @@ class ModelRunner(StartUp, Launches, LoRARunner):
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host, device) block copies, queued before the step's forward."""
         self.caches = self.blocks.swap_in(self.caches, pairs)
-
-    def _device_array(self, x: np.ndarray) -> jax.Array:
-        """`x` on the device as a program's output of it would be placed. With offloaded
-        weights, program outputs name their memory kind: so must this, or the program
-        that takes it compiles once for each."""
-        if self.mesh is not None:
-            return self._put(x)
-        return jax.device_put(x, self._device_memory())
-
-    def _device_memory(self) -> SingleDeviceSharding | None:
-        """Device memory, named when weights are offloaded (see `_device_array`)."""
-        if not self.step_programs.bring_in_shardings:
-            return None
-        return SingleDeviceSharding(jax.local_devices()[0], memory_kind="device")
 
     def _put(self, tree: Any) -> Any:
         """Host arrays for a jitted program; on a mesh, placed replicated on every device.

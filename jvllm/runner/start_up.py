@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from jvllm.engine.step_io import SamplingRow
 from jvllm.kernels import cpu_attention
@@ -57,7 +57,6 @@ class StartUp:
     _mask_fn: Program
     _all_logprobs_fn: Program
     _put: Callable[[Any], Any]
-    _device_array: Callable[[np.ndarray], jax.Array]
     _run_forward: Callable[..., Forward]
     batch_shape: Callable[[int], BatchShape]
     sampling_rows: Callable[[BatchShape], int]
@@ -100,13 +99,30 @@ class StartUp:
             heads, k_dim, v_dim = self.spec.kv_cache_dims
             shape = (self.pp, num_blocks, self.block_size, heads)
             return [((*shape, k_dim), (*shape, v_dim))] * (self.spec.num_layers // self.pp)
-        specs = [self.spec] + ([self.drafter.model.spec] if self.drafter is not None else [])
+        # The target's arrays are one per full/sliding layer pair in the hybrid layout.
+        specs = [(self.spec, self.num_target_layers)]
+        if self.drafter is not None:
+            specs.append((self.drafter.model.spec, self.drafter.model.spec.num_layers))
         shapes = []
-        for s in specs:
+        for s, num_arrays in specs:
             heads, k_dim, v_dim = s.kv_cache_dims
             shape = (num_blocks, self.block_size, heads)
-            shapes += [((*shape, k_dim), (*shape, v_dim))] * s.num_layers
+            shapes += [((*shape, k_dim), (*shape, v_dim))] * num_arrays
         return shapes
+
+    def _device_array(self, x: np.ndarray) -> jax.Array:
+        """`x` on the device as a program's output of it would be placed. With offloaded
+        weights, program outputs name their memory kind: so must this, or the program
+        that takes it compiles once for each."""
+        if self.mesh is not None:
+            return self._put(x)
+        return jax.device_put(x, self._device_memory())
+
+    def _device_memory(self) -> SingleDeviceSharding | None:
+        """Device memory, named when weights are offloaded (see `_device_array`)."""
+        if not self.step_programs.bring_in_shardings:
+            return None
+        return SingleDeviceSharding(jax.local_devices()[0], memory_kind="device")
 
     def _allocate_cache(self, num_blocks: int) -> list[KVCache]:
         # KV heads split across the mesh; on one device, see _device_array.

@@ -44,8 +44,9 @@ from jvllm.testing.deviceless import (
     model_on,
 )
 from jvllm.testing.deviceless_attention import BAD_LAUNCHES, check_attention, check_bad_launch
-from jvllm.testing.deviceless_mla import check_mla_stack
+from jvllm.testing.deviceless_mla import check_mla_decode_kernel, check_mla_stack
 from jvllm.testing.deviceless_moe import check_moe_expert_parallel, check_moe_stack
+from jvllm.testing.deviceless_variants import STACK_BUCKET, STACKS, check_variant_stack
 
 
 def eight_b_spec() -> ModelSpec:
@@ -59,7 +60,9 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
 
 
 # "mla" (DeepSeek-V3-shaped, about 2 minutes on two cores) is not in CI's sections yet.
-SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla")
+# "stacks": Gemma-2-9B- and gpt-oss-20b-shaped stacks of 4 layers at one small bucket
+# (about 20 s each; the DeepSeek-V3-shaped one is "mla").
+SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla", "mla-kernel", "stacks")
 
 # Attention of other models' shapes, the Triton kernel alone at their per-layer options:
 # (query heads, KV heads, head dim) and the options of their layers.
@@ -126,6 +129,10 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         report["moe"]["expert_parallel"] = check_moe_expert_parallel(target)
     if "mla" in sections:  # DeepSeek-V3-shaped: latent attention, 256 experts in groups
         report["mla"] = check_mla_stack(target)
+    if "mla-kernel" in sections:  # the Triton MLA decode kernel alone, V3's shapes
+        report["mla_kernel"] = check_mla_decode_kernel(target)
+    if "stacks" in sections:
+        report["stacks"] = [check_variant_stack(name, target, STACK_BUCKET) for name in STACKS]
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION
@@ -145,6 +152,8 @@ def summary(report: dict[str, Any]) -> str:
                 f"  temp {_mib(p['temp_bytes'])}"
             )
     variants = [dict(model="variants", kernels=report.get("variants", []))]
+    variants.append(dict(model="mla", kernels=report.get("mla_kernel", [])))
+    variants += report.get("stacks", [])
     for m in report["models"] + report["tensor_parallel"] + variants:
         for k in m["kernels"]:
             lines.append(
@@ -202,6 +211,12 @@ def summary(report: dict[str, Any]) -> str:
             f"{_mib(ep['expert_bytes'])} expert bytes per device, collectives "
             f"{sorted({c[0] for c in ep['collectives']})}, expert weights moved: "
             f"{len(ep['expert_moved'])}"
+        )
+    for st in report.get("stacks", []):
+        lines.append(
+            f"  stack {st['model']} {st['num_layers']} layers T={st['num_tokens']}: "
+            f"{st['seconds']} s, temp {_mib(st['temp_bytes'])}, {st['cache_arrays']} cache "
+            f"arrays (window {st['kv_sliding_window']}), kernels {st['triton_kernels']}"
         )
     if "fp8_matmul" in report:
         dots = report["fp8_matmul"]["dots"]

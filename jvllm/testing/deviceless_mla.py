@@ -100,3 +100,48 @@ def check_mla_stack(target: Target, buckets: tuple[int, ...] = MLA_BUCKETS) -> d
         cache_shapes=[str(a.shape) for a in runner.caches[0]],
         forwards=forwards,
     )
+
+
+# (sequences, splits): a small decode batch (the key range split, the merge kernel) and
+# a full one (one split).
+MLA_DECODE_LAUNCHES = ((16, None), (256, 1))
+
+
+def check_mla_decode_kernel(target: Target) -> list[dict[str, Any]]:
+    """The Triton MLA decode kernel alone at V3's shapes (128 heads, latent 512, rope 64,
+    nope 128, v 128; bf16, block size 16, 256 blocks a row), through `mla_decode` as
+    jitted, with ptxas's registers, spills and shared memory per kernel."""
+    import jax
+
+    from jvllm.kernels import jax_triton_mla
+    from jvllm.runner.aot import CompiledProgram
+    from jvllm.testing.deviceless import kernel_rows
+
+    s = mla_spec()
+    heads, rank, rope = s.num_heads, s.mla.kv_lora_rank, s.mla.qk_rope_head_dim
+    nope, v_dim = s.mla.qk_nope_head_dim, s.mla.v_head_dim
+    device = jax.sharding.SingleDeviceSharding(target.devices()[0])
+    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+    rows = []
+    for num_seqs, splits in MLA_DECODE_LAUNCHES:
+
+        def decode(qn, qp, lat, rp, wkb, wvb, tables, lens, splits=splits):
+            return jax_triton_mla.mla_decode(
+                qn, qp, lat, rp, wkb, wvb, tables, lens, (nope + rope) ** -0.5, num_splits=splits
+            )
+
+        start = time.perf_counter()
+        lowered = jax.jit(decode).lower(
+            arg((num_seqs, heads, nope)),
+            arg((num_seqs, heads, rope)),
+            arg((4096, 16, 1, rank)),
+            arg((4096, 16, 1, rope)),
+            arg((heads, nope, rank)),
+            arg((heads, v_dim, rank)),
+            arg((num_seqs, 256), jnp.int32),
+            arg((num_seqs,), jnp.int32),
+        )
+        label = f"decode S={num_seqs} splits={splits or 'auto'}"
+        p = CompiledProgram("mla_decode", label, lowered, lowered.compile(), 0.0)
+        rows += kernel_rows("deepseek-v3", p._replace(seconds=time.perf_counter() - start), target)
+    return rows

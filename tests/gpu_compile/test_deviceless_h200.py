@@ -32,7 +32,8 @@ REQUIREMENTS = (
     "triton==3.6.*",
 )
 EIGHT_B_BUCKETS = (16, 256, 2048)  # smallest, a middle one, the largest of 16..2048
-PROCESSES = (("8b",), ("tiny", "tp", "bad", "moe"))  # the 8B alone takes about as long as the rest
+# The 8B alone takes about as long as the rest.
+PROCESSES = (("8b", "mla-kernel"), ("tiny", "tp", "bad", "moe", "stacks"))
 TIMEOUT_S = 600
 DTYPES = ("bfloat16", "float32")
 
@@ -86,6 +87,7 @@ def _merge(parts: list[dict]) -> dict:
         report["bad_launches"] |= part["bad_launches"]
     report["seconds"] = max(p["seconds"] for p in parts)
     kept = ("throughput_8b_kv", "fp8_matmul", "sizing_half", "unlimited_forward", "moe")
+    kept += ("stacks", "mla_kernel")
     return report | {k: v for p in parts for k, v in p.items() if k in kept}
 
 
@@ -287,3 +289,29 @@ def test_moe_expert_parallel_splits_experts_and_moves_none(report):
     assert ep["tp"] == 4 and ep["expert_bytes_per_device"] * 4 == ep["expert_bytes"]
     assert ep["expert_moved"] == []
     assert {op for op, _ in ep["collectives"]} <= {"all-reduce", "all-gather"}
+
+
+def test_gemma2_and_gpt_oss_stacks_compile_in_the_hybrid_kv_layout(report):
+    """Gemma-2-9B- and gpt-oss-20b-shaped stacks of 4 layers at 16 tokens: the Triton
+    attention at their options (soft cap and window 4096; sinks and window 128), gpt-oss's
+    experts in the grouped matmul, full and sliding layers sharing 2 cache arrays whose
+    tables sit side by side, and no kernel spilling or over shared memory."""
+    stacks = {s["model"]: s for s in report["stacks"]}
+    assert sorted(stacks) == ["gemma-2-9b", "gpt-oss-20b"]
+    assert stacks["gemma-2-9b"]["kv_sliding_window"] == 4096
+    assert stacks["gpt-oss-20b"]["kv_sliding_window"] == 128
+    assert "grouped_matmul_kernel" in stacks["gpt-oss-20b"]["triton_kernels"]
+    for s in stacks.values():
+        assert (s["num_layers"], s["cache_arrays"], s["table_width"]) == (4, 2, 2 * 8192 // 16)
+        assert "paged_attention_kernel" in s["triton_kernels"]
+        assert [k["problems"] for k in s["kernels"] if k["problems"]] == []
+        assert all(0 < k["registers"] <= 255 for k in s["kernels"])
+
+
+def test_mla_decode_kernel_builds_at_deepseek_v3_shapes(report):
+    """The Triton MLA decode kernel (128 heads, latent 512, rope 64, bf16), split and
+    not, with the merge kernel: no spills, shared memory within the H200's."""
+    kernels = report["mla_kernel"]
+    assert {k["kernel_name"] for k in kernels} == {"mla_decode_kernel", "merge_splits_kernel"}
+    assert [k["problems"] for k in kernels if k["problems"]] == []
+    assert all(0 < k["registers"] <= 255 and k["spill_bytes"] == 0 for k in kernels)

@@ -18,14 +18,21 @@ import numpy as np
 import pytest
 
 from jvllm import LLM, SamplingParams
+from jvllm.engine.kv.hybrid_kv_cache_manager import HybridKVCacheManager
 from jvllm.models.loader import load_model
-from jvllm.testing.variant_checkpoints import VARIANT_ARCHITECTURES, make_variant_checkpoint
+from jvllm.testing.variant_checkpoints import (
+    VARIANT_ARCHITECTURES,
+    WINDOW,
+    make_variant_checkpoint,
+)
 from tests.helpers import hf_greedy, token_prompts
 from tests.models.test_forward import Row, assert_close, hf_logits, make_runner, random_ids
 from tests.models.test_moe_models import assert_trees_equal
 
 PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 40, 64, 80, 100, 120]
 NEW_TOKENS = 10
+LONG_DECODE = SamplingParams(temperature=0.0, max_tokens=40)
+SLIDING_BLOCK_BOUND = -(-WINDOW // 16) + 1  # blocks of 16 tokens (the default)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 
@@ -97,18 +104,28 @@ def test_chunked_prefill_then_decode_match_hf(variant, variant_runners, variant_
     assert_close(np.stack(got), hf_logits(variant_hf_models[variant], ids))
 
 
+HYBRID_TP2 = dict(
+    num_gpu_blocks_override=20,
+    max_num_batched_tokens=32,
+    tensor_parallel_size=2,
+    enable_prefix_caching=False,  # the hybrid KV layout: sliding blocks freed
+)
+
+
 @pytest.mark.parametrize(
     "engine_kwargs",
-    [{}, {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 32, "tensor_parallel_size": 2}],
-    ids=["alone", "tp2-chunked-preempted"],  # one engine for TP=2 and preemption: CI time
+    [{}, HYBRID_TP2],
+    ids=["alone", "tp2-chunked-preempted-hybrid"],  # one engine for all of these: CI time
 )
 def test_greedy_tokens_equal_hf(variant, variant_checkpoints, variant_hf_greedy, engine_kwargs):
     llm = LLM(str(variant_checkpoints[variant]), **{**ENGINE, **engine_kwargs})
+    held = watch_sliding_blocks(llm)
     outs = llm.generate(token_prompts(prompts()), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == variant_hf_greedy[variant]
     metrics = llm.get_metrics()
     if "num_gpu_blocks_override" in engine_kwargs:
         assert metrics["num_preemptions"] > 0
+        assert held and max(held) <= SLIDING_BLOCK_BOUND, max(held)
     assert metrics["num_free_blocks"] == metrics["num_total_blocks"]
 
 
@@ -152,3 +169,50 @@ def test_unsupported_options_are_named(variant_checkpoints, arch, change, match)
         change["rope_parameters"]["rope_theta"] = 10000.0
     with pytest.raises(ValueError, match=match):
         read_spec({**cfg, **change})
+
+
+def watch_sliding_blocks(llm: LLM) -> list[int]:
+    """After every `schedule()`, the sliding-group blocks each decoding request holds
+    (none recorded with the one-table layout)."""
+    scheduler = llm.llm_engine.scheduler
+    kv, schedule, held = scheduler.kv_cache_manager, scheduler.schedule, []
+    if not isinstance(kv, HybridKVCacheManager):
+        return held
+
+    def schedule_and_count():
+        out = schedule()
+        for request in scheduler.running:
+            if request.num_computed_tokens > request.num_prompt_tokens:
+                held.append(kv.num_sliding_blocks(request.request_id))
+        return out
+
+    scheduler.schedule = schedule_and_count
+    return held
+
+
+# gpt-oss's engine here compiles programs no other test shares (20 s): slow.
+@pytest.mark.parametrize("arch", ["gemma2", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_sliding_window_blocks_are_freed_in_long_decodes(
+    arch, variant_checkpoints, variant_hf_models, tokenizer_dir
+):
+    """Prompts far past the window, then 40 tokens each, under a pool too small for
+    both (preemption): tokens equal Transformers', full and sliding layers share their
+    cache array, a decoding request's sliding group never holds more than
+    ceil(window / block) + 1 blocks, and every block comes back."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    rng = np.random.default_rng(5)
+    ps = [[int(t) for t in rng.integers(6, 512, size=n)] for n in (100, 120)]
+    expected = [hf_greedy(variant_hf_models[arch], p, LONG_DECODE.max_tokens, eos) for p in ps]
+    llm = LLM(str(variant_checkpoints[arch]), **{**ENGINE, **HYBRID_TP2, "tensor_parallel_size": 1})
+    engine = llm.llm_engine
+    assert isinstance(engine.scheduler.kv_cache_manager, HybridKVCacheManager)
+    assert len(engine.runner.caches) == 1  # 2 layers: one full, one sliding
+    held = watch_sliding_blocks(llm)
+    outs = llm.generate(token_prompts(ps), LONG_DECODE, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert held and max(held) <= SLIDING_BLOCK_BOUND, max(held)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"]

@@ -31,7 +31,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine.kv.kv_cache_manager import KVCacheManager, cdiv
+from jvllm.engine.kv.hybrid_kv_cache_manager import new_kv_cache_manager
+from jvllm.engine.kv.kv_cache_manager import cdiv
 from jvllm.engine.metrics import SchedulerStats
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduling.admission import Admission, ScheduleStep
@@ -47,24 +48,25 @@ class Scheduler(Admission):
         num_host_blocks: int = 0,
         num_tier_blocks: int = 0,
         num_lookahead_tokens: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
-        """`num_host_blocks` host blocks for swapping (with preemption_mode="swap") and
-        `num_tier_blocks` more for the prefix cache's host tier; every allocation covers
-        `num_lookahead_tokens` more positions (a draft model's proposals)."""
+        """`num_host_blocks` host blocks for swapping (preemption_mode="swap"), `num_tier_blocks`
+        more for the prefix cache's host tier; allocations cover `num_lookahead_tokens` more
+        positions (a draft's proposals); `sliding_window`: see `new_kv_cache_manager`."""
         check_kv_capacity(scheduler_config, cache_config, num_blocks)
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.is_static = scheduler_config.scheduling_policy == "static"
         self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.swaps = scheduler_config.preemption_mode == "swap" and num_host_blocks > 0
-        self.kv_cache_manager = KVCacheManager(
+        self.kv_cache_manager = new_kv_cache_manager(
+            cache_config,
+            scheduler_config.max_model_len,
             num_blocks,
-            cache_config.block_size,
-            cache_config.enable_prefix_caching,
             num_host_blocks if self.swaps else 0,
             num_tier_blocks,
             num_lookahead_tokens,
-            scheduler_config.max_model_len,
+            sliding_window,
         )
         self.waiting: deque[Request] = deque()  # preempted requests go to the front
         # Swapped out, oldest first; they come back before any waiting request is admitted.
@@ -204,8 +206,7 @@ class Scheduler(Admission):
         request.status = status
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        pool = kv.block_pool
+        kv, pool = self.kv_cache_manager, self.kv_cache_manager.block_pool
         live = sum(r.num_computed_tokens for r in self.running)
         return SchedulerStats(
             num_requests_running=len(self.running),
@@ -437,8 +438,7 @@ class Scheduler(Admission):
 def check_kv_capacity(
     scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
 ) -> None:
-    """Raises when `num_blocks` KV blocks (one reserved) cannot hold one sequence of
-    max_model_len tokens."""
+    """Raises when `num_blocks` KV blocks (one reserved) cannot hold a max_model_len sequence."""
     blocks_per_seq = cdiv(scheduler_config.max_model_len, cache_config.block_size)
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
