@@ -226,10 +226,12 @@ def serve_frontend(
     liveness: Any = None,
     sockets: list[Any] | None = None,
     on_start: Any = None,
+    engine_metrics: Any = None,
 ) -> tuple[int, AsyncLLM]:
     """Serves `engine` (an `LLMEngine`, or an `EngineCoreClient` of core processes)
     over HTTP until shutdown; the exit status. `on_start(async_llm)` runs before
-    serving (the split's core watchdog); `sockets`: listening sockets to serve on."""
+    serving (the split's core watchdog); `sockets`: listening sockets to serve on;
+    `engine_metrics`: what /metrics reads (default: AsyncLLM's snapshot)."""
     chat_template = load_chat_template(config.chat_template)
     defaults = RequestDefaults.load(
         engine_args.generation_config, engine_args.model, engine_args.max_logprobs
@@ -251,7 +253,7 @@ def serve_frontend(
         on_dead=on_dead,
         grammar_compile_timeout=config.grammar_compile_timeout,
     )
-    metrics.attach(async_llm.metrics)
+    metrics.attach(engine_metrics or async_llm.metrics)
     if liveness is not None:
         liveness.on_lost = async_llm.fail
     loras = served_loras(engine, names[0], config.lora_modules, config.allow_runtime_lora_updating)

@@ -14,6 +14,7 @@ talks to every core. What a front end serves is `launch.serve_frontend`'s.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -100,7 +101,16 @@ def run_frontend(
 
     try:
         code, _ = serve_frontend(
-            client, engine_args, config, model_path, is_demo, cache_info, None, sockets, watch
+            client,
+            engine_args,
+            config,
+            model_path,
+            is_demo,
+            cache_info,
+            None,
+            sockets,
+            watch,
+            client.get_metrics,
         )
     finally:
         stop.set()
@@ -110,10 +120,15 @@ def run_frontend(
 
 def _watchdog(client: Any, async_llm: Any, stop: threading.Event) -> None:
     """Declares the engine dead once any core has exited (an idle front end would not
-    notice otherwise: nothing waits on the core)."""
+    notice otherwise: nothing waits on the core); refreshes an idle front end's copy of
+    the engine metrics."""
+    from jvllm.engine.async_llm import EngineDeadError
     from jvllm.engine.core.client import process_exit_status
 
     while not stop.wait(WATCHDOG_INTERVAL_S):
+        if not client.has_unfinished_requests() and not async_llm.is_dead:
+            with contextlib.suppress(EngineDeadError):
+                client.refresh_metrics()
         for core in client.cores:
             status = process_exit_status(core.pid)
             if status is not None:

@@ -141,8 +141,8 @@ class EngineCoreClient:
         if tracked is None:
             return
         tracked.core.requests.discard(request_id)
-        with self._lock:
-            tracked.core.socket.send(m.encode(m.Abort([request_id])))
+        reply = self._call(tracked.core, m.Abort([request_id]), m.UtilityReply)
+        tracked.core.metrics = reply.result
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
@@ -207,6 +207,12 @@ class EngineCoreClient:
         if "kv_cache_usage_perc" in total:
             total["kv_cache_usage_perc"] /= len(per_engine)
         return total | {"engines": per_engine}
+
+    def refresh_metrics(self) -> None:
+        """Reads every core's metrics now (an idle front end steps no core: its copy would
+        go stale while other front ends' requests run)."""
+        for core, metrics in zip(self.cores, self.call_utility("get_metrics"), strict=True):
+            core.metrics = metrics
 
     def call_utility(self, method: str, *args: Any) -> list[Any]:
         """vLLM's `call_utility`, on every core in turn; their results in DP-rank order."""

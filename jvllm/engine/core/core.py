@@ -56,6 +56,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "remove_lora": lambda e, lora_int_id: e.remove_lora(int(lora_int_id)),
     "list_loras": lambda e: sorted(e.list_loras()),
     "reset_prefix_cache": lambda e: e.reset_prefix_cache(),
+    "get_metrics": lambda e: dict(e.get_metrics()),
     "sleep": lambda e, level: _control(e).sleep(int(level)),
     "wake_up": lambda e, tags: _control(e).wake_up(tags),
     "is_sleeping": lambda e: _control(e).is_sleeping(),
@@ -104,7 +105,7 @@ class EngineCore:
             for request_id in message.request_ids:
                 if self._owner.pop(request_id, None) is not None:
                     self.engine.abort_request(request_id)
-            return None
+            return m.UtilityReply(result=dict(self.engine.get_metrics()))
         if isinstance(message, m.UtilityCall):
             return self.call_utility(message)
         assert isinstance(message, m.Hello), message

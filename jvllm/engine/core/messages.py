@@ -4,7 +4,8 @@ crosses the socket, and each side decodes into declared types only.
 
 Owns the wire shapes and their codecs. A front end sends one message and reads one
 reply (`Hello` -> `EngineCoreInfo`, `AddRequest` -> `AddReply`, `Step` -> `StepReply`,
-`UtilityCall` -> `UtilityReply`); `Abort` and `Shutdown` have no reply. Not owned:
+`UtilityCall` -> `UtilityReply`, `Abort` -> `UtilityReply` with the metrics after it,
+so that freed blocks show at once); `Shutdown` has no reply. Not owned:
 the loop that serves them (`core.py`) or the client that sends them (`client.py`).
 """
 
