@@ -123,7 +123,9 @@ _m.LLMEngine.add_request, _m.LLMEngine.step = add_request, step
 
 def test_engine_death_fails_in_flight_and_exits_nonzero(tmp_path):
     # No MODEL: the built-in demo model, with small limits from the command line.
-    server = ServerProcess(SMALL_ENGINE, prelude=POISON, env={"JVLLM_CACHE": str(tmp_path)})
+    # The poison is injected into this process: the engine must run in it.
+    env = {"JVLLM_CACHE": str(tmp_path), "JVLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    server = ServerProcess(SMALL_ENGINE, prelude=POISON, env=env)
     try:
         server.wait_ready()
         card = httpx.get(server.url + "/v1/models").json()["data"][0]

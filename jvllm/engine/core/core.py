@@ -148,7 +148,10 @@ class EngineCore:
         try:
             return m.UtilityReply(result=_plain(fn(self.engine, *call.args)))
         except Exception as e:  # noqa: BLE001 - the caller gets it, the core carries on
-            return m.UtilityReply(error=str(e), error_type=type(e).__name__)
+            # The nearest built-in kind, which the client raises again (LoRAAdapterError
+            # is a ValueError: a 400).
+            kind = next(k for k in type(e).__mro__ if k.__module__ == "builtins")
+            return m.UtilityReply(error=str(e), error_type=kind.__name__)
 
     def run(self, address: str) -> None:
         """Serves front ends on `address` until told to shut down, or until the process
