@@ -63,6 +63,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "collective_rpc": lambda e, *args: _control(e).collective_rpc(*args),
     "start_weight_update": lambda e: _control(e).start_weight_update(),
     "update_weights": _update_weights,
+    "update_weights_whole": lambda e, path: _control(e).update_weights(path),
     "finish_weight_update": lambda e, version: _control(e).finish_weight_update(version),
     "get_weight_version": lambda e: _control(e).get_weight_version(),
     "weight_info": _weight_info,
