@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Any
 
-from jvllm.engine.core.launcher import EngineCoreProcs, multiprocessing_enabled
+from jvllm.engine.core.env import multiprocessing_enabled
 
 from .process_args import ProcessConfig
 
@@ -55,6 +55,8 @@ def run_split_server(
     engine_args: Any, config: Any, model_path: str, is_demo: bool, processes: ProcessConfig | None
 ) -> int:
     """Starts the cores, serves (here, or in N front-end processes), stops the cores."""
+    from jvllm.engine.core.launcher import EngineCoreProcs
+
     processes = processes or ProcessConfig()
     cores = EngineCoreProcs(engine_args, processes.data_parallel.data_parallel_size)
     try:
@@ -169,7 +171,7 @@ def _supervise(
     config: Any,
     model_path: str,
     is_demo: bool,
-    cores: EngineCoreProcs,
+    cores: Any,
     processes: ProcessConfig,
 ) -> int:
     """Runs N front ends; SIGTERM or SIGINT drains them all. Exits 0 if every one did,

@@ -13,6 +13,7 @@ this process runs: the module itself imports no jax.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -81,8 +82,6 @@ class EngineCore:
 
     def info(self) -> m.EngineCoreInfo:
         engine = self.engine
-        import dataclasses
-
         return m.EngineCoreInfo(
             engine_index=self.engine_index,
             pid=os.getpid(),

@@ -4,9 +4,8 @@
 Owns the processes: one per local data-parallel rank, started with `spawn` (no jax state
 is inherited), each given its slice of the accelerators (`CUDA_VISIBLE_DEVICES`: rank r
 of tensor x pipeline size n gets devices r*n .. r*n+n-1; a CPU ignores it), its ipc
-socket in a private directory, and stopped with SIGTERM then SIGKILL. Also whether the
-process split is on (`JVLLM_ENABLE_V1_MULTIPROCESSING`, or vLLM's spelling). Not owned:
-the messages (`messages.py`), the client (`client.py`), HTTP.
+socket in a private directory, and stopped with SIGTERM then SIGKILL. Not owned: the
+messages (`messages.py`), the client (`client.py`), whether to split (`env.py`), HTTP.
 """
 
 from __future__ import annotations
@@ -23,20 +22,8 @@ from jvllm.engine.core.core import run_engine_core
 
 logger = logging.getLogger("jvllm.engine_core")
 
-MULTIPROCESSING_ENV = ("JVLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
 # Seconds a core has to exit after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 5.0
-
-
-def multiprocessing_enabled(default: bool) -> bool:
-    """The environment's choice (1 or 0; jvllm's name first), else `default`."""
-    for name in MULTIPROCESSING_ENV:
-        value = os.environ.get(name)
-        if value is not None:
-            if value not in ("0", "1"):
-                raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-            return value == "1"
-    return default
 
 
 class EngineCoreProcs:
