@@ -58,6 +58,8 @@ def run_split_server(
     from jvllm.engine.core.launcher import EngineCoreProcs
 
     processes = processes or ProcessConfig()
+    # Until uvicorn takes the signals over: SIGTERM while the cores start stops them too.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cores = EngineCoreProcs(engine_args, processes.data_parallel.data_parallel_size)
     try:
         if processes.api_server_count == 1:
@@ -68,6 +70,10 @@ def run_split_server(
     finally:
         cores.stop()
         logger.info("engine cores stopped")
+
+
+def _exit_on_sigterm(sig: int, frame: Any) -> None:
+    raise SystemExit(128 + sig)
 
 
 def run_frontend(
@@ -94,6 +100,8 @@ def run_frontend(
     stop = threading.Event()
 
     def watch(async_llm: Any) -> None:
+        # No step ahead while paused: a "keep" pause must freeze the requests where they are.
+        client.may_prefetch = lambda: not async_llm._scheduling.paused
         threading.Thread(
             target=_watchdog,
             args=(client, async_llm, stop),

@@ -33,8 +33,9 @@ def test_llm_in_an_engine_core_process_equals_transformers(checkpoints, monkeypa
         )
         for output, sample, prompt in zip(outputs, expected, token_prompts, strict=True):
             assert output.outputs[0].token_ids == sample[0][len(prompt) :]
-        with pytest.raises(InvalidRequestError, match="max_tokens"):
-            llm.generate("hi", SamplingParams(max_tokens=0), use_tqdm=False)
+        too_long = {"prompt_token_ids": [7] * 200}  # max_model_len is 128
+        with pytest.raises(InvalidRequestError, match="128"):
+            llm.generate(too_long, SamplingParams(max_tokens=4), use_tqdm=False)
         assert llm.get_metrics()["num_requests_running"] == 0
     finally:
         engine.shutdown()

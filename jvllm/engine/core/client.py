@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,9 @@ class EngineCoreClient:
         self._policy = first.scheduling_policy
         self.structured_outputs = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Tracked] = {}
+        # Whether the cores may run a step ahead (not while a pause holds the requests:
+        # the server sets it from AsyncLLM's pause state).
+        self.may_prefetch: Callable[[], bool] = lambda: True
         self._control = RemoteControl(self)  # what `weight_sync.control_of` finds
 
     # -- requests --
@@ -155,8 +159,9 @@ class EngineCoreClient:
         has none: a pause's flush), run side by side; their outputs."""
         cores = [core for core in self.cores if core.requests] or self.cores
         with self._lock:
+            step = m.encode(m.Step(prefetch=self.may_prefetch()))
             for core in cores:
-                core.socket.send(m.encode(m.Step()))
+                core.socket.send(step)
             replies = [self._receive(core, m.StepReply) for core in cores]
         outputs: list[RequestOutput] = []
         for core, reply in zip(cores, replies, strict=True):

@@ -13,6 +13,8 @@ this process runs: the module itself imports no jax.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -79,6 +81,8 @@ class EngineCore:
         self.engine_index = engine_index
         self._owner: dict[str, bytes] = {}  # request id -> the front end that added it
         self._pending: dict[bytes, list[m.WireOutput]] = defaultdict(list)
+        self._ahead = False  # a step ran ahead of the next Step (prefetch)
+        self._prefetch = False  # the last Step asked for one
 
     def info(self) -> m.EngineCoreInfo:
         engine = self.engine
@@ -98,7 +102,7 @@ class EngineCore:
     def handle(self, client: bytes, message: m.Request) -> msgspec.Struct | None:
         """The reply to `message` from front end `client` (None: it takes none)."""
         if isinstance(message, m.Step):
-            return self.step(client)
+            return self.step(client, message.prefetch)
         if isinstance(message, m.AddRequest):
             return self.add_request(client, message)
         if isinstance(message, m.Abort):
@@ -128,18 +132,32 @@ class EngineCore:
         self._owner[add.request_id] = client
         return m.AddReply()
 
-    def step(self, client: bytes) -> m.StepReply:
-        """Runs one engine step (if any request is left) and hands `client` its outputs."""
-        if self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                owner = self._owner.get(output.request_id)
-                if owner is None:
-                    continue  # aborted by its front end, which no longer waits for it
-                if output.finished:
-                    del self._owner[output.request_id]
-                self._pending[owner].append(_wire(output))
+    def step(self, client: bytes, prefetch: bool = False) -> m.StepReply:
+        """Runs one engine step (unless one ran ahead) and hands `client` its outputs."""
+        if not self._ahead:
+            self._run_step()
+        self._ahead, self._prefetch = False, prefetch
         outputs = self._pending.pop(client, [])
         return m.StepReply(outputs, dict(self.engine.get_metrics()))
+
+    def run_ahead(self) -> None:
+        """After a Step's reply went out: the next step now, if it asked for one, so that
+        the core steps while the front end handles the outputs (no idle round trip)."""
+        if self._prefetch and self.engine.has_unfinished_requests():
+            self._run_step()
+            self._ahead = True
+        self._prefetch = False
+
+    def _run_step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            return
+        for output in self.engine.step():
+            owner = self._owner.get(output.request_id)
+            if owner is None:
+                continue  # aborted by its front end, which no longer waits for it
+            if output.finished:
+                del self._owner[output.request_id]
+            self._pending[owner].append(_wire(output))
 
     def call_utility(self, call: m.UtilityCall) -> m.UtilityReply:
         fn = UTILITIES.get(call.method)
@@ -177,6 +195,8 @@ class EngineCore:
                 reply = self.handle(client.bytes, message)
                 if reply is not None:
                     socket.send_multipart([client, m.encode(reply)], copy=False)
+                if isinstance(message, m.Step):
+                    self.run_ahead()
         finally:
             socket.close()
             context.term()
@@ -203,9 +223,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux's PR_SET_PDEATHSIG), also while
+    the engine builds, before `run` can watch the parent."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_engine_core(engine_args: Any, engine_index: int, address: str, devices: str) -> None:
     """The core process's entry (`launcher.py` starts it): build the engine on this
     rank's devices, then serve. SIGINT is left to the parent, which stops the cores."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if devices:

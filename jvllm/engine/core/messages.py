@@ -42,7 +42,10 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 class Step(msgspec.Struct, tag="step"):
-    pass
+    """Run a step (unless one ran ahead) and send my outputs; `prefetch`: then run the
+    next step at once, while the front end handles these outputs."""
+
+    prefetch: bool = False
 
 
 class UtilityCall(msgspec.Struct, tag="utility"):
