@@ -13,6 +13,7 @@ from tests.helpers import prompts
 from tests.server import left_alive
 
 
+@pytest.mark.slow  # 16 s of CPU, mostly the core's compiles; the client is the server's
 def test_llm_in_an_engine_core_process_equals_transformers(checkpoints, monkeypatch):
     from jvllm.testing.hf_runner import HfRunner
 
