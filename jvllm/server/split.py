@@ -68,6 +68,8 @@ def run_split_server(
             )
         return _supervise(engine_args, config, model_path, is_demo, cores, processes)
     finally:
+        # A second SIGTERM (an impatient supervisor) must not cut the cores' stop short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cores.stop()
         logger.info("engine cores stopped")
 
