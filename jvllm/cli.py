@@ -312,6 +312,7 @@ def _serve(args: argparse.Namespace) -> int:
     from jvllm.parallel.distributed import distributed_config
     from jvllm.runner.xla_allocator import configure_allocator
     from jvllm.server.launch import run_follower, run_server
+    from jvllm.server.process_args import process_config
 
     names = [name for name, _ in engine_flag_fields()] + [n.name for n in compat.no_ops(False)]
     options = {name: getattr(args, name) for name in names if name in args}
@@ -341,7 +342,7 @@ def _serve(args: argparse.Namespace) -> int:
     if dist is not None and dist.process_id != 0:
         return run_follower(engine_args)  # serves nothing: process 0 answers HTTP
     config = server_config(args, served)
-    return run_server(engine_args, config, model, is_demo)
+    return run_server(engine_args, config, model, is_demo, process_config(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

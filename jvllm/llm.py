@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jvllm import compat
 from jvllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from jvllm.engine.beam_search import hypothesis_score
+from jvllm.engine.core.offline import create_offline_engine
 from jvllm.engine.gc_heap import serving_gc
 from jvllm.engine.multimodal import split_image_parts
 from jvllm.engine_args import EngineArgs
@@ -52,7 +53,7 @@ class LLM(WeightSync, PoolingMixin):
         configure_allocator(args.gpu_memory_utilization)
         # Before the engine: a bad generation_config or max_logprobs fails in a moment.
         self.defaults = RequestDefaults.load(args.generation_config, args.model, args.max_logprobs)
-        self.engine = args.create_engine()
+        self.engine = create_offline_engine(args)  # JVLLM_ENABLE_V1_MULTIPROCESSING=1: a process
         self._ids = itertools.count()
 
     @property

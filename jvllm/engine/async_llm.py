@@ -317,9 +317,9 @@ class AsyncLLM:
                 scheduling.settle(self._engine)
                 self._metrics = dict(self._engine.get_metrics())
         except Exception as e:
-            # Anything past validation leaves the engine in an unknown state: fail-stop.
-            logger.exception("the engine loop died")
-            self._dead = f"the engine failed ({type(e).__name__}) and cannot serve requests"
+            logger.exception("the engine loop died")  # unknown engine state: fail-stop
+            dead = f"the engine failed ({type(e).__name__}) and cannot serve requests"
+            self._dead = str(e) if isinstance(e, EngineDeadError) else dead
             for command in self._applying:
                 if isinstance(command, _Add):
                     _settle(command.done, EngineDeadError(self._dead))

@@ -66,7 +66,8 @@ class Scheduling:
             done.set_result(None)
             return done
         if mode == "abort":
-            for request_id in list(engine.output_processor.requests):
+            ids = getattr(engine, "unfinished_request_ids", None)  # an engine-core client's
+            for request_id in ids() if ids else list(engine.output_processor.requests):
                 engine.abort_request(request_id)
             self.flush = True
         self._draining.append((done, clear_cache))

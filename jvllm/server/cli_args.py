@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from jvllm.engine.async_llm import GRAMMAR_COMPILE_TIMEOUT_S
 
 from .lora_args import add_lora_flags
+from .process_args import add_process_flags
 
 if TYPE_CHECKING:
     from .launch import ServerConfig
@@ -160,6 +161,7 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         help="largest accepted request body; larger ones get 413 (default: 4 MiB)",
     )
     add_lora_flags(parser)
+    add_process_flags(parser)
 
 
 def _flat(values: list[list[str]] | None) -> tuple[str, ...]:

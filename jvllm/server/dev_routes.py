@@ -166,6 +166,8 @@ def dev_routes(ctx: ServingContext) -> list[Route]:
 def _weight_info(engine: Any) -> dict[str, Any]:
     """The weights' version, tensor and parameter counts and dtypes (engine thread)."""
     control = control_of(engine)
+    if hasattr(control, "weight_info"):  # the engine runs in engine-core processes
+        return control.weight_info()
     leaves = jax.tree.leaves(engine.runner.model.params)
     return {
         "weight_version": control.get_weight_version(),

@@ -178,23 +178,67 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(
-    engine_args: EngineArgs, config: ServerConfig, model_path: str, is_demo: bool = False
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    model_path: str,
+    is_demo: bool = False,
+    processes: Any = None,
 ) -> int:
-    """Builds the engine and serves it until shutdown; returns the process exit status."""
-    # Read before the engine's warm-up, so that a bad file or value fails in a moment.
-    chat_template = load_chat_template(config.chat_template)
-    defaults = RequestDefaults.load(
-        engine_args.generation_config, engine_args.model, engine_args.max_logprobs
-    )
-    interval = stats_interval()
+    """Builds the engine and serves it until shutdown; returns the process exit status.
+    By default the engine runs in engine-core processes of its own (`split.py`,
+    `processes` its flags); `JVLLM_ENABLE_V1_MULTIPROCESSING=0` keeps it in this one."""
+    from .split import run_split_server, split_refusal
+
+    load_chat_template(config.chat_template)  # a bad file fails before any warm-up
+    refusal = split_refusal(engine_args, processes)
+    if refusal is None:
+        return run_split_server(engine_args, config, model_path, is_demo, processes)
+    logger.info("the engine runs in the server process: %s", refusal)
     engine = engine_args.create_engine()
     liveness = step_channel.current_liveness()
     publisher = None
     if liveness is not None:  # the multi-host leader
         publisher = step_channel.StepPublisher(step_channel.coordination_client())
         engine.runner.publisher = publisher
+    code, async_llm = serve_frontend(
+        engine, engine_args, config, model_path, is_demo, _cache_info(engine), liveness
+    )
+    if liveness is not None and publisher is not None:
+        if not liveness.alive():
+            # A peer is gone: skip jax.distributed's exit barrier, which would wait for it.
+            logger.error("exiting: %s", liveness.lost)
+            logging.shutdown()
+            os._exit(code)
+        liveness.stop()
+        publisher.publish(step_channel.STOP)
+        publisher.close()
+        logger.info("told the %d follower process(es) to stop", len(liveness.peers))
+    return code
+
+
+def serve_frontend(
+    engine: Any,
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    model_path: str,
+    is_demo: bool,
+    cache_info: dict[str, Any],
+    liveness: Any = None,
+    sockets: list[Any] | None = None,
+    on_start: Any = None,
+    engine_metrics: Any = None,
+) -> tuple[int, AsyncLLM]:
+    """Serves `engine` (an `LLMEngine`, or an `EngineCoreClient` of core processes)
+    over HTTP until shutdown; the exit status. `on_start(async_llm)` runs before
+    serving (the split's core watchdog); `sockets`: listening sockets to serve on;
+    `engine_metrics`: what /metrics reads (default: AsyncLLM's snapshot)."""
+    chat_template = load_chat_template(config.chat_template)
+    defaults = RequestDefaults.load(
+        engine_args.generation_config, engine_args.model, engine_args.max_logprobs
+    )
+    interval = stats_interval()
     names = list(config.served_model_names) or [model_path]
-    metrics = ServerMetrics(names[0], engine.max_model_len, cache_config_info=_cache_info(engine))
+    metrics = ServerMetrics(names[0], engine.max_model_len, cache_config_info=cache_info)
     server: _DrainingServer | None = None
 
     def on_dead() -> None:
@@ -209,7 +253,7 @@ def run_server(
         on_dead=on_dead,
         grammar_compile_timeout=config.grammar_compile_timeout,
     )
-    metrics.attach(async_llm.metrics)
+    metrics.attach(engine_metrics or async_llm.metrics)
     if liveness is not None:
         liveness.on_lost = async_llm.fail
     loras = served_loras(engine, names[0], config.lora_modules, config.allow_runtime_lora_updating)
@@ -235,21 +279,13 @@ def run_server(
     app = build_app(ctx, metrics, state, config.api_key, _cors(config), stats, dev_routes=dev)
     uv_config = _uvicorn_config(app, config)
     server = _DrainingServer(uv_config, state, async_llm, config.shutdown_timeout)
+    if on_start is not None:
+        on_start(async_llm)
     _log_start(config, model_path, names)
     freeze_gc_heap()  # what start-up built stays out of every collection from here on
-    server.run()
+    server.run(sockets)
     code = 1 if async_llm.is_dead else 0 if server.started else 1
-    if liveness is not None and publisher is not None:
-        if not liveness.alive():
-            # A peer is gone: skip jax.distributed's exit barrier, which would wait for it.
-            logger.error("exiting: %s", liveness.lost)
-            logging.shutdown()
-            os._exit(code)
-        liveness.stop()
-        publisher.publish(step_channel.STOP)
-        publisher.close()
-        logger.info("told the %d follower process(es) to stop", len(liveness.peers))
-    return code
+    return code, async_llm
 
 
 def run_follower(engine_args: EngineArgs) -> int:

@@ -87,11 +87,17 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         values = self._snapshot()
+        # Data-parallel engine cores: one sample per engine, labelled with its DP rank.
+        engines = values.get("engines") or [values]
+        labels = [[self._labels[0], str(i)] for i in range(len(engines))]
+        if len(engines) == 1:
+            labels = [self._labels]
         for key, kind, name, doc in self._table:
             cls = GaugeMetricFamily if kind == GAUGE else CounterMetricFamily
             assert kind in (GAUGE, COUNTER), kind
             family = cls(name, doc, labels=LABELS)
-            family.add_metric(self._labels, float(values.get(key, 0)))
+            for engine_labels, engine_values in zip(labels, engines, strict=True):
+                family.add_metric(engine_labels, float(engine_values.get(key, 0)))
             yield family
         per_pos = values.get("spec_decode_num_accepted_tokens_per_pos") or []
         if per_pos:

@@ -116,6 +116,42 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc (children first found, then theirs)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def left_alive(pids: list[int], timeout: float = 10.0) -> dict[int, bytes]:
+    """Those of `pids` still running after `timeout` seconds, with their command lines
+    (multiprocessing's resource tracker ends a moment after its parent)."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {p: Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in pids if alive(p)}
+
+
 def metrics(url: str) -> dict[str, float]:
     """Family name (counters without `_total`) -> value, for the unlabelled jvllm samples."""
     from prometheus_client.parser import text_string_to_metric_families

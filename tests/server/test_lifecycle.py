@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from jvllm.cli import build_parser, engine_flag_fields
-from tests.server import SMALL_ENGINE, ServerProcess
+from tests.server import SMALL_ENGINE, ServerProcess, descendants, left_alive
 
 
 def test_every_engine_arg_is_a_flag():
@@ -97,11 +97,14 @@ def test_full_queue_503_then_sigterm_drains(checkpoints):
 
     try:
         server.wait_ready()
+        processes = descendants(server.proc.pid)  # the engine core, its resource tracker
+        assert processes
         streams = asyncio.run(scenario())
         for events in streams:
             assert events[-1]["usage"]["completion_tokens"] == 480
             assert [e["choices"][0]["finish_reason"] for e in events[-2:-1]] == ["length"]
         assert server.wait_exit(60) == 0, server.log()
+        assert not left_alive(processes)
     finally:
         server.stop()
 
@@ -123,7 +126,9 @@ _m.LLMEngine.add_request, _m.LLMEngine.step = add_request, step
 
 def test_engine_death_fails_in_flight_and_exits_nonzero(tmp_path):
     # No MODEL: the built-in demo model, with small limits from the command line.
-    server = ServerProcess(SMALL_ENGINE, prelude=POISON, env={"JVLLM_CACHE": str(tmp_path)})
+    # The poison is injected into this process: the engine must run in it.
+    env = {"JVLLM_CACHE": str(tmp_path), "JVLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    server = ServerProcess(SMALL_ENGINE, prelude=POISON, env=env)
     try:
         server.wait_ready()
         card = httpx.get(server.url + "/v1/models").json()["data"][0]

@@ -1,0 +1,341 @@
+"""EngineCoreClient: the front end's view of one or more engine-core processes, in the
+shape of `LLMEngine` that `AsyncLLM` drives (vLLM's `EngineCoreClient` with its
+data-parallel load balancing).
+
+Owns, in the front end: tokenizing prompts and checking requests before they leave
+(`validation.py`, so a bad one is a 400 without a round trip), choosing a data-parallel
+engine core for each request (the least `waiting * 4 + running`, vLLM's coordinator's
+score), rebuilding RequestOutputs from the cores' deltas (cumulative or delta, as the
+request asked), the engine metrics of every core, utility calls (broadcast to every
+core), and noticing a dead core: the step that waits on it raises `EngineCoreDeadError`
+naming it, which `AsyncLLM` turns into a failure of every in-flight request. Every call
+runs on the one AsyncLLM engine thread, as `LLMEngine`'s would. Not owned: starting or
+stopping the core processes (`launcher.py`), the engine itself (`core.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from jvllm.engine.async_llm import EngineDeadError
+from jvllm.engine.core import messages as m
+from jvllm.engine.structured_output import GrammarCompiler
+from jvllm.engine.validation import InvalidRequestError, check_priority, validate_request
+from jvllm.lora.request import LoRARequest
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+# Milliseconds between liveness checks of a core while waiting for its reply.
+POLL_MS = 100
+# vLLM's coordinator scores an engine's load as waiting * 4 + running.
+WAITING_WEIGHT = 4
+_ERRORS: dict[str, type[Exception]] = {
+    e.__name__: e for e in (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError)
+}
+
+
+class EngineCoreDeadError(EngineDeadError):
+    """An engine-core process exited; its message names the core and its exit."""
+
+
+@dataclass
+class _Core:
+    index: int
+    pid: int
+    socket: Any  # a zmq DEALER connected to the core's ROUTER
+    info: m.EngineCoreInfo | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    requests: set[str] = field(default_factory=set)  # this front end's, in flight there
+    added: int = 0  # requests added since its last step reply (not yet in its metrics)
+
+    def load(self) -> int:
+        waiting = self.metrics.get("num_requests_waiting", 0) + self.added
+        return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
+
+
+@dataclass
+class _Tracked:
+    core: _Core
+    prompt: str | None
+    prompt_token_ids: list[int]
+    lora_request: LoRARequest | None
+    cumulative: bool  # the reader wants cumulative outputs, folded from the deltas
+    folded: RequestOutput | None = None
+
+
+class EngineCoreClient:
+    """`LLMEngine`'s methods, answered by engine cores at `addresses` (one per DP rank)."""
+
+    def __init__(self, addresses: list[str], pids: list[int], tokenizer: Any) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        # The sockets' one user at a time: the engine thread, or a LoRA load's worker.
+        self._lock = threading.RLock()
+        self.cores: list[_Core] = []
+        for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self.cores.append(_Core(index, pid, socket))
+        infos = [self._call(core, m.Hello(), m.EngineCoreInfo) for core in self.cores]
+        for core, info in zip(self.cores, infos, strict=True):
+            core.info, core.metrics = info, info.metrics
+        first = infos[0]
+        self.tokenizer = tokenizer
+        self.max_model_len = first.max_model_len
+        self.vocab_size = first.vocab_size
+        self.eos_token_ids = frozenset(first.eos_token_ids)
+        self.supported_tasks = tuple(first.supported_tasks)
+        self.cache_config = first.cache_config
+        self.lora_slots = True if first.lora_enabled else None  # LoRA on: what the server asks
+        self._policy = first.scheduling_policy
+        self.structured_outputs = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._requests: dict[str, _Tracked] = {}
+        # Whether the cores may run a step ahead (not while a pause holds the requests:
+        # the server sets it from AsyncLLM's pause state).
+        self.may_prefetch: Callable[[], bool] = lambda: True
+        self._control = RemoteControl(self)  # what `weight_sync.control_of` finds
+
+    # -- requests --
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | BeamSearchParams,
+        arrival_time: float,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Tokenizes and checks the request here, then adds it to the least loaded core;
+        raises ValueError (InvalidRequestError) as `LLMEngine.add_request` does."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        check_priority(priority, self._policy)
+        text, ids = _tokenize(self.tokenizer, prompt)
+        beam = isinstance(params, BeamSearchParams)
+        if not beam:
+            validate_request(text, ids, params, self.vocab_size, self.max_model_len)
+        core = min(self.cores, key=_Core.load)
+        add = m.AddRequest(request_id, text, ids, arrival_time, priority=priority)
+        add.lora_request = lora_request
+        if beam:
+            add.beam_search_params = params
+        else:
+            add.sampling_params = params
+        reply = self._call(core, add, m.AddReply)
+        if reply.error is not None:
+            if reply.error_type == "InvalidRequestError":
+                raise InvalidRequestError(reply.error, reply.param)
+            raise ValueError(reply.error)
+        cumulative = not beam and params.output_kind != RequestOutputKind.DELTA
+        self._requests[request_id] = _Tracked(core, text, ids, lora_request, cumulative)
+        core.requests.add(request_id)
+        core.added += 1
+
+    def abort_request(self, request_id: str) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        tracked.core.requests.discard(request_id)
+        reply = self._call(tracked.core, m.Abort([request_id]), m.UtilityReply)
+        tracked.core.metrics = reply.result
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every core this front end has requests on (of every core when it
+        has none: a pause's flush), run side by side; their outputs."""
+        cores = [core for core in self.cores if core.requests] or self.cores
+        with self._lock:
+            step = m.encode(m.Step(prefetch=self.may_prefetch()))
+            for core in cores:
+                core.socket.send(step)
+            replies = [self._receive(core, m.StepReply) for core in cores]
+        outputs: list[RequestOutput] = []
+        for core, reply in zip(cores, replies, strict=True):
+            core.metrics, core.added = reply.metrics, 0
+            for wire in reply.outputs:
+                output = self._output(wire)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
+
+    def _output(self, wire: m.WireOutput) -> RequestOutput | None:
+        tracked = self._requests.get(wire.request_id)
+        if tracked is None:
+            return None  # aborted here since
+        if wire.finished:
+            del self._requests[wire.request_id]
+            tracked.core.requests.discard(wire.request_id)
+        delta = RequestOutput(
+            wire.request_id,
+            tracked.prompt,
+            tracked.prompt_token_ids,
+            wire.prompt_logprobs,
+            wire.outputs,
+            wire.finished,
+            wire.num_cached_tokens,
+            lora_request=tracked.lora_request,
+        )
+        if not tracked.cumulative:
+            return delta
+        if tracked.folded is None:
+            tracked.folded = delta
+        else:
+            tracked.folded.add(delta)
+        folded = tracked.folded
+        # A snapshot: readers keep outputs that later folds must not change.
+        copies = [dataclasses.replace(c) for c in folded.outputs]
+        return dataclasses.replace(folded, outputs=copies)
+
+    # -- metrics and utilities --
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The cores' metrics summed (per-engine ones under "engines", by DP rank)."""
+        per_engine = [core.metrics for core in self.cores]
+        total: dict[str, Any] = {}
+        for metrics in per_engine:
+            for key, value in metrics.items():
+                total[key] = _add(total[key], value) if key in total else value
+        if "kv_cache_usage_perc" in total:
+            total["kv_cache_usage_perc"] /= len(per_engine)
+        return total | {"engines": per_engine}
+
+    def refresh_metrics(self) -> None:
+        """Reads every core's metrics now (an idle front end steps no core: its copy would
+        go stale while other front ends' requests run)."""
+        for core, metrics in zip(self.cores, self.call_utility("get_metrics"), strict=True):
+            core.metrics = metrics
+
+    def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """vLLM's `call_utility`, on every core in turn; their results in DP-rank order."""
+        call = m.UtilityCall(method, list(args))
+        results = []
+        for core in self.cores:
+            reply = self._call(core, call, m.UtilityReply)
+            if reply.error is not None:
+                raise _ERRORS.get(reply.error_type or "", RuntimeError)(reply.error)
+            results.append(reply.result)
+        return results
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return all(self.call_utility("add_lora", msgspec.to_builtins(lora_request)))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return all(self.call_utility("remove_lora", lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set(self.call_utility("list_loras")[0])
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self.call_utility("reset_prefix_cache"))
+
+    def close(self) -> None:
+        for core in self.cores:
+            core.socket.close()
+        self._context.term()
+
+    # -- the sockets --
+
+    def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
+        with self._lock:
+            core.socket.send(m.encode(message))
+            return self._receive(core, reply)
+
+    def _receive(self, core: _Core, reply: type) -> Any:
+        while not core.socket.poll(POLL_MS):
+            exit_status = process_exit_status(core.pid)
+            if exit_status is not None:
+                raise EngineCoreDeadError(
+                    f"engine core {core.index} (pid {core.pid}) died ({exit_status}); the "
+                    "server cannot serve requests"
+                )
+        return msgspec.msgpack.decode(core.socket.recv(), type=reply)
+
+
+class RemoteControl:
+    """`weight_sync.EngineControl`'s calls, run on every engine core (dev routes)."""
+
+    def __init__(self, client: EngineCoreClient) -> None:
+        self._client = client
+        self.memory = self  # `control.memory.update_weights(path)`
+
+    def sleep(self, level: int = 1) -> None:
+        self._client.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return all(self._client.call_utility("is_sleeping"))
+
+    def reset_prefix_cache(self) -> bool:
+        return self._client.reset_prefix_cache()
+
+    def collective_rpc(self, method: str, timeout: Any, args: Any, kwargs: Any) -> list[Any]:
+        results = self._client.call_utility("collective_rpc", method, timeout, args, kwargs)
+        return [r for per_core in results for r in per_core]
+
+    def start_weight_update(self) -> None:
+        self._client.call_utility("start_weight_update")
+
+    def update_weights(self, model_path: str) -> int:
+        return self._client.call_utility("update_weights", model_path)[0]
+
+    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
+        self._client.call_utility("finish_weight_update", weight_version)
+
+    def get_weight_version(self) -> str | int | None:
+        return self._client.call_utility("get_weight_version")[0]
+
+    def weight_info(self) -> dict[str, Any]:
+        return self._client.call_utility("weight_info")[0]
+
+
+def process_exit_status(pid: int) -> str | None:
+    """None while process `pid` runs; else how it ended, as far as /proc tells (a child
+    not yet reaped is a zombie: dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "exited"
+    return "exited" if state in ("Z", "X") else None
+
+
+def _tokenize(
+    tokenizer: Any, prompt: str | list[int] | dict[str, Any]
+) -> tuple[str | None, list[int]]:
+    """`LLMEngine`'s prompt forms: text, token ids, or a dict of either."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" not in prompt:
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        return prompt, list(tokenizer.encode(prompt)) if prompt else []
+    if isinstance(prompt, list | tuple):
+        return None, [int(t) for t in prompt]
+    raise ValueError(f"prompt must be a string, a token id list or a dict, got {type(prompt)}")
+
+
+def _add(a: Any, b: Any) -> Any:
+    if isinstance(a, list) and isinstance(b, list):
+        longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+        return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a + b
+    return a

@@ -1,0 +1,146 @@
+"""`jvllm serve` with two API servers on one port and two data-parallel engine cores
+(`--api-server-count 2 --data-parallel-size 2`), through the official openai client:
+outputs equal Transformers' greedy ones, both engines and both API servers serve, an
+abort frees every block, and killing an engine core (kill -9) fails the in-flight
+request with a 503 naming it, turns /health to 503 and ends the server with a non-zero
+status, leaving no process or socket behind. One server for the module: each engine
+core compiles its own programs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import prompts
+from tests.server import SMALL_ENGINE, ServerProcess, descendants, left_alive
+
+MAX_TOKENS = 6
+
+
+def engine_samples(url: str, name: str) -> dict[str, float]:
+    """engine label -> value of the labelled family `name`."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    pattern = re.compile(rf'^{re.escape(name)}{{engine="(\d+)",model_name="[^"]*"}} (\S+)$', re.M)
+    return {engine: float(value) for engine, value in pattern.findall(text)}
+
+
+@pytest.fixture(scope="module")
+def env(checkpoints):
+    path = str(checkpoints["llama"])
+    flags = ["--data-parallel-size", "2", "--api-server-count", "2", "--enable-log-requests"]
+    flags += ["--return-tokens-as-token-ids"]  # logprobs name tokens "token_id:<id>"
+    server = ServerProcess([path, *SMALL_ENGINE, *flags])
+    try:
+        from jvllm.testing.hf_runner import HfRunner
+
+        token_prompts = prompts(3, lengths=[3, 9, 17, 30, 5, 12, 21, 40])
+        with HfRunner(path, dtype="float32") as hf:  # built while the server warms up
+            expected = hf.generate_greedy(token_prompts, MAX_TOKENS)
+        server.wait_ready()
+        yield SimpleNamespace(server=server, prompts=token_prompts, expected=expected)
+    finally:
+        server.stop()
+
+
+def complete(url: str, prompt: list[int]) -> openai.types.Completion:
+    # A client (a connection) per request: the kernel spreads connections across the
+    # API servers listening on the port.
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        return client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            logprobs=1,
+        )
+
+
+def test_two_api_servers_and_two_engines_equal_transformers(env):
+    url = env.server.url
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: complete(url, p), env.prompts * 2))
+    for result, sample in zip(results, env.expected * 2, strict=True):
+        expected = sample[0][result.usage.prompt_tokens :]
+        tokens = result.choices[0].logprobs.tokens
+        assert [int(t.removeprefix("token_id:")) for t in tokens] == expected
+    # Both engines generated (per-engine counters), and both API servers took requests.
+    # An API server reads an engine it is not stepping every WATCHDOG_INTERVAL_S.
+    generated = sum(r.usage.completion_tokens for r in results)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        tokens = engine_samples(url, "vllm:generation_tokens_total")
+        if sum(tokens.values()) == generated:
+            break
+        time.sleep(0.1)
+    assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens
+    assert sum(tokens.values()) == generated, tokens
+    log = env.server.log()
+    for index in (0, 1):
+        assert re.search(rf"ApiServer_{index} Received request", log), log[-4000:]
+
+
+def test_abort_frees_every_engines_blocks(env):
+    url = env.server.url
+    body = {"prompt": env.prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    for _ in range(2):  # one stream per engine (the balancer sends the second elsewhere)
+        with (
+            httpx.Client(base_url=url, timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            assert next(response.iter_lines()).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        usage = engine_samples(url, "vllm:kv_cache_usage_perc")
+        running = engine_samples(url, "vllm:num_requests_running")
+        if set(usage) == {"0", "1"} and not any(usage.values()) and not any(running.values()):
+            break
+        time.sleep(0.1)
+    assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
+
+
+def test_killed_engine_core_fails_requests_names_it_and_leaves_nothing(env):
+    server = env.server
+    processes = descendants(server.proc.pid)
+    cores = [int(p) for p in re.findall(r"started 2 engine core\(s\): pids \[(\d+), (\d+)\]",
+                                        server.log())[0]]  # fmt: skip
+    sockets_dir = re.search(r"serving on ipc://(\S+)/core0", server.log()).group(1)
+    body = {"prompt": env.prompts[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as first,
+        httpx.Client(base_url=server.url, timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=body) as second,
+    ):
+        streams = [first.iter_lines(), second.iter_lines()]
+        for lines in streams:
+            assert next(lines).startswith("data: ")
+        os.kill(cores[1], signal.SIGKILL)
+        errors = []
+        for lines in streams:
+            events = [line[6:] for line in lines if line.startswith("data: {")]
+            errors += [json.loads(e)["error"] for e in events if '"error"' in e]
+    # The request on the killed core fails with a 503 naming it.
+    assert any(
+        e["code"] == "engine_dead" and f"engine core 1 (pid {cores[1]}) died" in e["message"]
+        for e in errors
+    ), errors
+    # Each API server's watchdog sees the death within WATCHDOG_INTERVAL_S (0.5 s);
+    # the first to see it exits DEAD_ENGINE_EXIT_DELAY_S (2 s) later.
+    health = []
+    while 503 not in health and len(health) < 10:
+        health.append(httpx.get(server.url + "/health", timeout=10).status_code)
+        time.sleep(0.1)
+    assert health[-1] == 503, health
+    assert server.wait_exit(30) != 0
+    assert not left_alive(processes)
+    assert not Path(sockets_dir).exists()
