@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Any
 
-from jvllm.engine.core.env import multiprocessing_enabled
+from jvllm.engine.core.env import multiprocessing_enabled, takes_images
 
 from .process_args import ProcessConfig
 
@@ -46,6 +46,8 @@ def split_refusal(engine_args: Any, processes: ProcessConfig | None) -> str | No
         reason = "multi-host serving (--num-processes) runs the engine in process 0"
     elif pooling_task(engine_args) is not None:
         reason = "pooling models are served in-process (no engine-core split for them yet)"
+    elif takes_images(engine_args.model):
+        reason = "vision-language models are served in-process (images do not cross the split)"
     if reason is not None and needs_split:
         raise ValueError(f"--api-server-count and --data-parallel-size need the split: {reason}")
     return reason

@@ -320,6 +320,12 @@ def _tokenize(
 ) -> tuple[str | None, list[int]]:
     """`LLMEngine`'s prompt forms: text, token ids, or a dict of either."""
     if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data"):
+            raise InvalidRequestError(
+                "images were sent, but this model takes text only (vision-language models "
+                "are served in-process)",
+                "multi_modal_data",
+            )
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if "prompt" not in prompt:

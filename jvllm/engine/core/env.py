@@ -4,6 +4,7 @@ server ask before anything of the split (msgspec, zmq) is imported."""
 
 from __future__ import annotations
 
+import json
 import os
 
 MULTIPROCESSING_ENV = ("JVLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -18,3 +19,20 @@ def multiprocessing_enabled(default: bool) -> bool:
                 raise ValueError(f"{name} must be 0 or 1, got {value!r}")
             return value == "1"
     return default
+
+
+# Models whose requests carry images: the engine-core messages carry token ids only, so
+# these are served by the in-process engine.
+MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+
+
+def takes_images(model: str | os.PathLike[str] | None) -> bool:
+    """Whether the checkpoint at `model` is a vision-language model (its config.json)."""
+    if model is None:
+        return False
+    path = os.path.join(os.fspath(model), "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        architectures = json.load(f).get("architectures") or []
+    return any(name in MULTIMODAL_ARCHITECTURES for name in architectures)

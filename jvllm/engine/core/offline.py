@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jvllm.engine.core.env import multiprocessing_enabled
+from jvllm.engine.core.env import MULTIPROCESSING_ENV, multiprocessing_enabled, takes_images
 
 logger = logging.getLogger("jvllm.engine_core")
 
@@ -25,6 +25,9 @@ def create_offline_engine(engine_args: Any) -> Any:
         return engine_args.create_engine()
     if pooling_task(engine_args) is not None:
         logger.warning("pooling models run in-process: ignoring JVLLM_ENABLE_V1_MULTIPROCESSING")
+        return engine_args.create_engine()
+    if takes_images(engine_args.model):
+        logger.warning("vision-language models run in-process: ignoring %s", MULTIPROCESSING_ENV[0])
         return engine_args.create_engine()
     if getattr(engine_args, "devices", None) is not None:
         raise ValueError(
