@@ -51,6 +51,7 @@ class Beam:
     finished: bool = False  # retired: replaced by its children or its group is done
     constraints: Constraints = field(default_factory=Constraints)  # none: beams ban nothing
     plain_sampling: ClassVar[bool] = False  # its rows are `sampling_row`'s (SamplingBatch)
+    plain_commit: ClassVar[bool] = False  # its tokens are its group's to choose
 
     def sampling_row(self, eos_token_ids: frozenset[int], row: ScheduledRequest) -> SamplingRow:
         r = self.request

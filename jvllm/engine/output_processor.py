@@ -141,8 +141,25 @@ class OutputProcessor:
         proposed: dict[str, BeamGroup] = {}
         drafting: list[StepSequence] = []
         rows = sched.scheduled
+        inline = not self.speculates  # no drafts to verify or propose: plain rows inline
+        num_inline = 0
         for i, (state, row, wants) in enumerate(zip(states, rows, want_prompt, strict=True)):
-            if isinstance(state, Beam):
+            if inline and row.samples and not wants and state.plain_commit:
+                # Most rows: one token the scheduler appended, text and stop checks only
+                # (`_add_tokens` for one token, without logprobs or a grammar).
+                if state.finished:
+                    continue  # stopped or aborted after this step was dispatched
+                ids = state.request.output_token_ids
+                token, num_out = ids[-1], len(ids)
+                state.matched_stop = matched = state.detok.append(token)
+                num_inline += 1
+                if (
+                    token in state.ending_token_ids
+                    or num_out >= state.max_output_tokens
+                    or matched is not None
+                ):
+                    self._check_stop(state, num_out)  # most tokens never get here
+            elif isinstance(state, Beam):
                 # Preempted since dispatch: not awaiting selection, it proposes again.
                 if not state.finished and row.samples and state.request.awaiting_selection:
                     group = self.requests[state.group_id]
@@ -150,12 +167,13 @@ class OutputProcessor:
                     state.candidates = self._candidates(result, i, group)
                     proposed[state.group_id] = group
                 continue
-            if state.finished:
-                continue  # stopped or aborted after this step was dispatched
-            if wants:
-                assert result.prompt_logprobs is not None
-                state.add_prompt_logprobs(row, result.prompt_logprobs[i])
-            self._commit_row(state, row, result, sampled, i, drafting)
+            else:
+                if state.finished:
+                    continue  # stopped or aborted after this step was dispatched
+                if wants:
+                    assert result.prompt_logprobs is not None
+                    state.add_prompt_logprobs(row, result.prompt_logprobs[i])
+                self._commit_row(state, row, result, sampled, i, drafting)
             group = state.group
             assert group is not None
             if len(group.children) > 1:
@@ -164,6 +182,7 @@ class OutputProcessor:
                 outputs.append(self._retire(group, final_only))
             elif not final_only and (out := group.output()) is not None:
                 outputs.append(out)  # None: FINAL_ONLY, or a DELTA with nothing new
+        self.generation_tokens += num_inline
         continuations: list[BeamContinuation] = []
         for beams in proposed.values():
             if (out := self._select(beams, continuations)) is not None:

@@ -70,6 +70,9 @@ class SequenceState:
         self.plain_sampling = not (
             params.uses_penalties or params.logit_bias or self._bans_until or self.constraints.masks
         )
+        # Its tokens need no more than text and the stop checks (no logprobs, no grammar):
+        # the output processor commits them inline (`OutputProcessor.commit`).
+        self.plain_commit = self.logprobs is None and self.constraints.grammar is None
         self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
         self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
@@ -277,7 +280,7 @@ class SequenceGroup:
         if kind == _CUMULATIVE and len(children) == 1 and not final_only:
             # The common case, asked of every running request every step.
             child = children[0]
-            return RequestOutput(
+            return RequestOutput(  # positional: keywords cost a dict per request and step
                 self.request_id,
                 self.prompt,
                 self.prompt_token_ids,
@@ -285,7 +288,8 @@ class SequenceGroup:
                 [child.completion()],
                 child.finished,
                 child.request.num_cached_tokens or 0,
-                lora_request=child.request.lora_request,
+                None,  # metrics
+                child.request.lora_request,
             )
         finished = self.finished
         if (final_only or kind == _FINAL_ONLY) and not finished:
@@ -317,7 +321,8 @@ class SequenceGroup:
             completions,
             finished,
             first.request.num_cached_tokens or 0,
-            lora_request=first.request.lora_request,
+            None,  # metrics
+            first.request.lora_request,
         )
 
 

@@ -249,8 +249,7 @@ class Scheduler(Admission):
                     return
                 index += len(unit)
                 continue
-            # The common case, a unit of one: no lists, and the lengths read once (this
-            # loop runs for every running request every step).
+            # The common case, a unit of one: no lists, the lengths read once (every step).
             index += 1
             placeholders = request.num_output_placeholders
             num_tokens = (
@@ -271,15 +270,16 @@ class Scheduler(Admission):
                         return
                     request_id = request.request_id
                     sampling_rows[request_id] = len(rows)
-                    rows.append(
+                    rows.append(  # positional: keywords cost a dict per row
                         ScheduledRequest(
                             request_id,
                             [PLACEHOLDER_TOKEN],
                             computed,
                             tables[request_id],
-                            samples=True,
-                            prev_step_row=previous_rows[request_id],
-                            table_row=table_rows[request_id],
+                            True,  # samples
+                            previous_rows[request_id],  # prev_step_row
+                            0,  # num_spec_tokens
+                            table_rows[request_id],  # table_row
                         )
                     )
                     starts[request_id] = computed
