@@ -5,8 +5,9 @@ the instructions a step executes do not. Each measurement is a fresh process und
 `valgrind --tool=callgrind` with collection off; it builds `bench/host_overhead.py`'s
 engine (no device work, every sequence prefilled), runs a few decode steps, and turns
 collection on (`callgrind_control`) for exactly `--steps` `engine.step()` calls. The
-figure is instructions per step, less what turning collection on and off costs (a
-zero-step run per source, about half a million); `PYTHONHASHSEED=0` makes reruns agree
+figure is instructions per step, less what turning collection on and off costs (counted
+in the same process: an empty on/off window dumped first, about half a million);
+`PYTHONHASHSEED=0` makes reruns agree
 to within a few thousand. With `--baseline-src DIR` (another jvllm checkout, e.g. a `git worktree`
 of an older commit) the same engine is also counted with that source's jvllm.
 
@@ -77,21 +78,31 @@ def child(source: str, kind: str, num_seqs: int, steps: int) -> None:
         engine = host_overhead.decoding_engine(host_overhead.Setup(args, num_seqs), tokenizer)
         for _ in range(3):
             engine.step()
-        _collect(True)
+        # An empty window, dumped on its own: what the toggles themselves cost.
+        _control("-i", "on")
+        _control("-i", "off")
+        _control("-d")
+        _control("-i", "on")
         for _ in range(steps):
             engine.step()
-        _collect(False)
+        _control("-i", "off")
 
 
-def _collect(on: bool) -> None:
-    flag = "on" if on else "off"
-    subprocess.run(
-        ["callgrind_control", "-i", flag, str(os.getpid())], check=True, capture_output=True
-    )
+def _control(*flags: str) -> None:
+    subprocess.run(["callgrind_control", *flags, str(os.getpid())], check=True, capture_output=True)
 
 
-def count(source: Path, kind: str, num_seqs: int, steps: int) -> int:
-    """Instructions of `steps` engine steps with `source`'s jvllm."""
+def _dumped_total(path: Path) -> int:
+    """The instruction total of one callgrind dump file."""
+    match = re.search(r"^(?:summary|totals): (\d+)", path.read_text(), re.M)
+    if match is None:
+        raise RuntimeError(f"no instruction total in {path}")
+    return int(match.group(1))
+
+
+def count(source: Path, kind: str, num_seqs: int, steps: int) -> tuple[int, int]:
+    """Instructions of `steps` engine steps with `source`'s jvllm, and of the on/off
+    toggles counted with them."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "valgrind",
@@ -108,10 +119,11 @@ def count(source: Path, kind: str, num_seqs: int, steps: int) -> int:
         ]
         env = dict(os.environ, PYTHONHASHSEED="0")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    match = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode or match is None:
-        raise RuntimeError(f"callgrind run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return int(match.group(1))
+        match = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode or match is None:
+            raise RuntimeError(f"callgrind run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        (toggles,) = [_dumped_total(p) for p in Path(tmp).glob("callgrind.out.*[0-9]")]
+    return int(match.group(1)) - toggles, toggles
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -135,15 +147,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         steps=args.steps,
         sources={k: str(v) for k, v in sources.items()},
     )
-    # What the two callgrind_control calls themselves cost, counted in every run.
-    toggles = {name: count(source, KINDS[0], 8, 0) for name, source in sources.items()}
+    toggles: dict[str, int] = {}  # what the on/off calls cost, measured in each run
     result["config"]["toggle_instructions"] = toggles
     rows = []
     for kind in args.output_kinds:
         for n in args.num_seqs:
             row: dict[str, Any] = dict(output_kind=kind, num_seqs=n)
             for name, source in sources.items():
-                per_step = (count(source, kind, n, args.steps) - toggles[name]) / args.steps
+                counted, toggles[name] = count(source, kind, n, args.steps)
+                per_step = (counted - toggles[name]) / args.steps
                 row[name] = dict(per_step=round(per_step), per_sequence=round(per_step / n))
                 common.log(f"{name} {kind} {n} sequences: {per_step / 1e6:.2f} M instructions")
             if "baseline" in row:

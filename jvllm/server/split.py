@@ -23,7 +23,12 @@ import socket
 import threading
 from typing import Any
 
-from jvllm.engine.core.env import multiprocessing_enabled, takes_images
+from jvllm.engine.core.env import (
+    MIN_CPUS_FOR_SPLIT,
+    multiprocessing_choice,
+    takes_images,
+    usable_cpus,
+)
 
 from .process_args import ProcessConfig
 
@@ -39,8 +44,9 @@ def split_refusal(engine_args: Any, processes: ProcessConfig | None) -> str | No
 
     processes = processes or ProcessConfig()
     needs_split = processes.api_server_count > 1 or processes.data_parallel.data_parallel_size > 1
+    choice, cpus = multiprocessing_choice(), usable_cpus()
     reason = None
-    if not multiprocessing_enabled(default=True):
+    if choice is False:
         reason = "JVLLM_ENABLE_V1_MULTIPROCESSING=0"
     elif engine_args.num_processes not in (None, 1):
         reason = "multi-host serving (--num-processes) runs the engine in process 0"
@@ -48,6 +54,11 @@ def split_refusal(engine_args: Any, processes: ProcessConfig | None) -> str | No
         reason = "pooling models are served in-process (no engine-core split for them yet)"
     elif takes_images(engine_args.model):
         reason = "vision-language models are served in-process (images do not cross the split)"
+    elif choice is None and not needs_split and cpus < MIN_CPUS_FOR_SPLIT:
+        return (
+            f"{cpus} usable CPU cores (< {MIN_CPUS_FOR_SPLIT}): the engine stays in-process; "
+            "JVLLM_ENABLE_V1_MULTIPROCESSING=1 splits it anyway"
+        )
     if reason is not None and needs_split:
         raise ValueError(f"--api-server-count and --data-parallel-size need the split: {reason}")
     return reason

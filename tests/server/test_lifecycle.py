@@ -65,7 +65,11 @@ async def _stream(url: str, body: dict, first: asyncio.Event) -> list[dict]:
 
 def test_full_queue_503_then_sigterm_drains(checkpoints):
     args = [str(checkpoints["llama"]), "--max-num-seqs", "2", "--max-queued-requests", "2"]
-    server = ServerProcess([*args, "--max-model-len", "512", "--max-num-batched-tokens", "64"])
+    # The engine in a core process of its own (a small host would keep it in-process).
+    split = {"JVLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    server = ServerProcess(
+        [*args, "--max-model-len", "512", "--max-num-batched-tokens", "64"], env=split
+    )
     long = {
         "prompt": "hello world",
         "max_tokens": 480,
