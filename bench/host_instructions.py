@@ -94,7 +94,8 @@ def _control(*flags: str) -> None:
 
 def _dumped_total(path: Path) -> int:
     """The instruction total of one callgrind dump file."""
-    match = re.search(r"^(?:summary|totals): (\d+)", path.read_text(), re.M)
+    text = path.read_text()  # "totals:" (older callgrinds write only "summary:")
+    match = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
     if match is None:
         raise RuntimeError(f"no instruction total in {path}")
     return int(match.group(1))
