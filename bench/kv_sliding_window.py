@@ -28,50 +28,9 @@ from jvllm.models.gpt_oss import gpt_oss_spec
 from jvllm.models.kv_groups import hybrid_sliding_window
 from jvllm.runner.memory import kv_block_bytes
 from jvllm.sampling_params import SamplingParams
+from jvllm.testing.deviceless_variants import GEMMA2_9B, GPT_OSS_20B  # released configs
 
 GIB = 1024**3
-# The released config.json fields these specs read (Gemma-2-9B, gpt-oss-20b).
-GEMMA2_9B: dict[str, Any] = dict(
-    architectures=["Gemma2ForCausalLM"],
-    vocab_size=256000,
-    hidden_size=3584,
-    intermediate_size=14336,
-    num_hidden_layers=42,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=256,
-    query_pre_attn_scalar=256,
-    sliding_window=4096,
-    attn_logit_softcapping=50.0,
-    final_logit_softcapping=30.0,
-    max_position_embeddings=8192,
-    rope_theta=10000.0,
-)
-GPT_OSS_20B: dict[str, Any] = dict(
-    architectures=["GptOssForCausalLM"],
-    vocab_size=201088,
-    hidden_size=2880,
-    intermediate_size=2880,
-    num_hidden_layers=24,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=64,
-    sliding_window=128,
-    num_local_experts=32,
-    num_experts_per_tok=4,
-    max_position_embeddings=131072,
-    rope_scaling=dict(
-        rope_type="yarn",
-        factor=32.0,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        original_max_position_embeddings=4096,
-        truncate=False,
-    ),
-    rope_theta=150000.0,
-    swiglu_limit=7.0,
-    attention_bias=True,
-)
 
 
 def held_blocks(kv: KVCacheManager, context: int, chunk: int) -> tuple[int, int]:
