@@ -124,9 +124,10 @@ def _longrope(rope: RopeSpec, head_dim: int, long: bool) -> np.ndarray:
     factors = rope.long_factor if long else rope.short_factor
     if len(factors) != head_dim // 2:
         which = "long_factor" if long else "short_factor"
+        partial = rope.partial_rotary_factor != 1.0
+        dims = f"{head_dim} rotary dims" if partial else f"head_dim {head_dim}"
         raise ValueError(
-            f"config.json: longrope {which} has {len(factors)} values; {head_dim} rotary dims "
-            f"needs {head_dim // 2}"
+            f"config.json: longrope {which} has {len(factors)} values; {dims} needs {head_dim // 2}"
         )
     ext = np.asarray(factors, np.float32)
     return np.float32(1.0) / (ext * np.float32(rope.theta) ** _exponents(head_dim))
