@@ -213,6 +213,11 @@ class KVCacheManager:
             self._register_full_blocks(request, table, end)
         return True
 
+    def can_fork(self, source_id: str, num_tokens: int) -> bool:
+        """Whether `source_id` still holds every block a child forked at `num_tokens`
+        reads (always, here: nothing is freed behind a window)."""
+        return source_id in self._block_tables
+
     def fork(self, source_id: str, child_id: str, num_tokens: int) -> None:
         """Share the source's blocks covering its first `num_tokens` positions with the child.
 
