@@ -73,7 +73,9 @@ def server_command(engine: str, peer_python: str, model: Path, port: int) -> lis
     common_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "peer"]
     common_args += ["--dtype", "float32", "--max-model-len", str(PEER_PRESET.max_model_len)]
     if engine == "jvllm":
-        jvllm = shutil.which("jvllm") or str(Path(sys.executable).with_name("jvllm"))
+        # This environment's `jvllm` first (another one on PATH may lack its packages).
+        sibling = Path(sys.executable).with_name("jvllm")
+        jvllm = str(sibling) if sibling.is_file() else shutil.which("jvllm") or str(sibling)
         return [jvllm, "serve", str(model), *common_args]
     vllm = str(Path(peer_python).with_name("vllm"))
     return [vllm, "serve", str(model), *common_args]

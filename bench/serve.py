@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import shlex
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -282,9 +281,10 @@ class ServerProcess:
         with socket.socket() as s:  # a free port, released for the server to take
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        exe = shutil.which("jvllm")
+        # This environment's `jvllm` (another one on PATH may lack its packages).
+        exe = Path(sys.executable).with_name("jvllm")
         command = [
-            *([exe] if exe else [sys.executable, "-m", "jvllm.cli"]),
+            *([str(exe)] if exe.is_file() else [sys.executable, "-m", "jvllm.cli"]),
             "serve", str(model_dir), "--port", str(port), "--dtype", preset.dtype,
             "--max-model-len", str(preset.max_model_len),
             "--max-num-seqs", str(preset.max_num_seqs),

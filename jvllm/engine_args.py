@@ -33,6 +33,7 @@ from jvllm.engine_resolution import (
     compilation_cache,
     resolve_backend,
     resolve_max_model_len,
+    resolve_prefix_caching,
 )
 from jvllm.generation_config import generation_config_dir
 from jvllm.kv_offload.setup import attach_fs_tier, host_tier_gib
@@ -270,7 +271,7 @@ class EngineArgs:
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=resolve_prefix_caching(self.enable_prefix_caching, loaded.spec),
             swap_space=self.swap_space,
             kv_offloading_size=host_tier_gib(self),
             kv_cache_dtype=self.kv_cache_dtype,

@@ -82,6 +82,16 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def resolve_prefix_caching(requested: bool, spec: ModelSpec) -> bool:
+    """Prefix caching unless the model's cached keys depend on the request: dynamic NTK
+    rope rotates each token by its sequence's length, so a block another request wrote
+    holds keys of another rotation."""
+    if requested and spec.rope.rope_type == "dynamic":
+        logger.info("dynamic rope: cached keys depend on their request's length; no prefix caching")
+        return False
+    return requested
+
+
 def resolve_max_model_len(requested: int | None, spec: ModelSpec) -> int:
     # Dynamic NTK stretches the window by its factor (vLLM derives the same limit).
     factor = spec.rope.factor if spec.rope.rope_type == "dynamic" else 1.0

@@ -26,6 +26,8 @@ Both accumulate in float32 with an online softmax over key chunks, as `reference
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +42,12 @@ from jvllm.kernels.reference import (
 )
 
 ITEM_BATCH = 64  # work items vectorised together per sequential step, as reference.py
+
+# A decode kernel (`jax_triton_mla.mla_decode`'s contract): each sequence's one query
+# `[S, Hq, Dn]`, `[S, Hq, Dr]` at position seq_len - 1 over the paged latents, the caches,
+# `w_kb`, `w_vb`, block tables `[S, W]`, seq_lens `[S]` (0: skip the row) and the scale
+# -> `[S, Hq, Dv]`.
+DecodeFn = Callable[..., jax.Array]
 
 
 def write_latent(
@@ -70,21 +78,53 @@ def mla_paged_attention(
     seq_lens: jax.Array,  # [S] int32
     query_start_loc: jax.Array,  # [S + 1] int32
     scale: float,
+    decode: DecodeFn | None = None,
 ) -> jax.Array:  # [T, Hq, Dv]
-    """Leading decode rows in the absorbed form, the rest expanded (module docstring)."""
+    """Leading decode rows in the absorbed form (by `decode`, a kernel, when given), the
+    rest expanded (module docstring)."""
     num_tokens, num_heads, _ = q_nope.shape
     v_dim = w_vb.shape[1]
     num_decodes = _leading_decodes(query_start_loc)
     args = (q_nope, q_pe, latent_cache, rope_cache, w_kb, w_vb, block_tables, seq_lens)
-    dec = _run_items(
-        _decode_items(query_start_loc, num_decodes), 1, True, query_start_loc, scale, *args
-    )
+    if decode is None:
+        dec = _run_items(
+            _decode_items(query_start_loc, num_decodes), 1, True, query_start_loc, scale, *args
+        )
+    else:
+        dec = _kernel_decodes(decode, num_decodes, query_start_loc, scale, *args)
     pre_items = _prefill_items(num_tokens, query_start_loc, num_decodes)
     pre = _run_items(pre_items, QUERY_TILE, False, query_start_loc, scale, *args)
     out = jnp.zeros((num_tokens + 1, num_heads, v_dim), q_nope.dtype)
     rows = jnp.concatenate([dec[1], pre[1]])
     out = out.at[rows].set(jnp.concatenate([dec[0], pre[0]]))
     return out[:num_tokens]
+
+
+def _kernel_decodes(
+    decode: DecodeFn,
+    num_decodes: jax.Array,
+    query_start_loc: jax.Array,
+    scale: float,
+    q_nope: jax.Array,
+    q_pe: jax.Array,
+    latent_cache: jax.Array,
+    rope_cache: jax.Array,
+    w_kb: jax.Array,
+    w_vb: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The leading decode rows by `decode` over every sequence slot (the others given
+    seq_len 0, which the kernel skips): `[S, Hq, Dv]` and their rows (the dump row `T`
+    for sequences that are not decodes)."""
+    num_tokens = q_nope.shape[0]
+    first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)  # [S] each one's first query
+    is_decode = jnp.arange(first.shape[0], dtype=jnp.int32) < num_decodes
+    lens = jnp.where(is_decode, seq_lens, 0).astype(jnp.int32)
+    out = decode(
+        q_nope[first], q_pe[first], latent_cache, rope_cache, w_kb, w_vb, block_tables, lens, scale
+    )
+    return out.astype(q_nope.dtype), jnp.where(is_decode, first, num_tokens)
 
 
 def _run_items(

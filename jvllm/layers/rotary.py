@@ -35,11 +35,18 @@ def _exponents(head_dim: int) -> np.ndarray:  # [D / 2] float32
     return np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
 
 
+def rotary_dim(rope: RopeSpec, head_dim: int) -> int:
+    """The leading dims of each head that rotate (`partial_rotary_factor`); the rest pass
+    through unrotated, as Transformers' `int(head_dim * partial_rotary_factor)`."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 def inverse_frequencies(
     rope: RopeSpec, head_dim: int, seq_len: int | None = None
-) -> np.ndarray:  # [D / 2] float32
+) -> np.ndarray:  # [rotary_dim / 2] float32
     """The rope's inverse frequencies for a sequence of `seq_len` tokens (None: the
     frequencies a model starts with, before any length is seen)."""
+    head_dim = rotary_dim(rope, head_dim)
     # float32 throughout, as Transformers computes it, so angles match to the last bit.
     base_inv = np.float32(1.0) / np.float32(rope.theta) ** _exponents(head_dim)
     if rope.rope_type == "linear":
@@ -117,9 +124,10 @@ def _longrope(rope: RopeSpec, head_dim: int, long: bool) -> np.ndarray:
     factors = rope.long_factor if long else rope.short_factor
     if len(factors) != head_dim // 2:
         which = "long_factor" if long else "short_factor"
+        partial = rope.partial_rotary_factor != 1.0
+        dims = f"{head_dim} rotary dims" if partial else f"head_dim {head_dim}"
         raise ValueError(
-            f"config.json: longrope {which} has {len(factors)} values; head_dim {head_dim} "
-            f"needs {head_dim // 2}"
+            f"config.json: longrope {which} has {len(factors)} values; {dims} needs {head_dim // 2}"
         )
     ext = np.asarray(factors, np.float32)
     return np.float32(1.0) / (ext * np.float32(rope.theta) ** _exponents(head_dim))
@@ -178,6 +186,7 @@ def rope_cos_sin(
     scaling = attention_scaling(rope)
     if rope.rope_type not in LENGTH_DEPENDENT:
         return rotary_cos_sin(positions, inverse_frequencies(rope, head_dim), dtype, scaling)
+    head_dim = rotary_dim(rope, head_dim)  # the dynamic base's exponents
     if rope_lens is None:
         raise ValueError(f"rope type {rope.rope_type!r} needs each token's rope_lens")
     if rope.rope_type == "longrope":
@@ -225,7 +234,11 @@ def step_cos_sin(
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x `[T, H, D]` rotated by position; cos/sin `[T, D]`."""
+    """x `[T, H, D]` rotated by position; cos/sin `[T, Dr]`: the first Dr dims of each
+    head rotate, the rest (a partial rotary factor's) pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        dr = cos.shape[-1]
+        return jnp.concatenate([apply_rotary(x[..., :dr], cos, sin), x[..., dr:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -122,9 +122,12 @@ def mla_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> jax.Array:  # [T, Hq, Dv]
-    """The latent attention of one layer on any backend: every backend runs the
-    jax.numpy reference (`kernels/mla_reference.py`); there is no MLA kernel yet."""
-    del backend
+    """The latent attention of one layer: the jax.numpy reference
+    (`kernels/mla_reference.py`) on every backend, whose decode rows the Triton kernel
+    (`kernels/jax_triton_mla.py`) computes on the "triton" backend."""
+    decode = None
+    if backend == "triton":
+        from jvllm.kernels.jax_triton_mla import mla_decode as decode
     return mla_paged_attention(
         q_nope,
         q_pe,
@@ -135,4 +138,5 @@ def mla_attention(
         meta.seq_lens,
         meta.query_start_loc,
         scale,
+        decode,
     )

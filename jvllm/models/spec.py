@@ -67,6 +67,7 @@ class RopeSpec:
     attention_factor: float | None = None  # yarn, longrope; None: derived from factor
     short_factor: tuple[float, ...] = ()  # longrope, one per frequency
     long_factor: tuple[float, ...] = ()  # longrope, one per frequency
+    partial_rotary_factor: float = 1.0  # the share of each head's dims rotated (Phi-4-mini)
 
     def __post_init__(self) -> None:
         _check_rope(self)
@@ -95,6 +96,8 @@ def _check_rope(r: RopeSpec) -> None:
         raise bad(f"beta_fast ({r.beta_fast}) must be >= beta_slow ({r.beta_slow})")
     if r.attention_factor is not None and r.attention_factor <= 0:
         raise bad(f"attention_factor must be > 0, got {r.attention_factor}")
+    if not 0.0 < r.partial_rotary_factor <= 1.0:
+        raise bad(f"partial_rotary_factor must be in (0, 1], got {r.partial_rotary_factor}")
     if r.rope_type == "longrope":
         for name in ("short_factor", "long_factor"):
             values = getattr(r, name)
@@ -228,8 +231,7 @@ def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None) -> Rope
     params = _rope_parameters(cfg, layer_type)
     theta = float(params.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("config.json: partial_rotary_factor != 1.0 is not supported")
+    partial = float(params.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", 1.0)))
     max_pos = int(_get(cfg, "max_position_embeddings", 2048))
     # Phi-3 keeps the pretraining length beside the rope parameters; it then wins.
     original = int(_get(cfg, "original_max_position_embeddings", 0)) or int(
@@ -256,6 +258,7 @@ def rope_from_config(cfg: dict[str, Any], layer_type: str | None = None) -> Rope
         attention_factor=None if attention_factor is None else float(attention_factor),
         short_factor=_factors(params, "short_factor"),
         long_factor=_factors(params, "long_factor"),
+        partial_rotary_factor=partial,
     )
 
 

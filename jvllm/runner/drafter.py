@@ -148,6 +148,25 @@ class EagleDrafter(Drafter):
         embed = lambda m, ids: m.model.embed_tokens(ids)
         return module.apply({"params": target_params}, token_ids, method=embed)
 
+    def _head(self, params: Any, *args: Any, method: str | None = None) -> Any:
+        module = self.model.module
+        return module.apply({"params": params}, *args, method=method or "__call__")
+
+    def _embeds(self, params: Any, target_params: Any, token_ids: jax.Array) -> jax.Array:
+        """The head's input embeddings: its own table where it has one, else the target's."""
+        if getattr(self.model.module, "own_embedding", False):
+            return self._head(params, token_ids, method="embed")
+        return self._embed(target_params, token_ids)
+
+    def _fuse(self, params: Any, hidden: jax.Array) -> jax.Array:
+        """The head's feature from the target's hidden states (EAGLE-1: as they are)."""
+        return hidden
+
+    def _score(self, params: Any, target_params: Any, x: jax.Array) -> jax.Array:
+        """Logits of the head's output (EAGLE-1: the target's lm_head)."""
+        target = self.target.module
+        return target.apply({"params": target_params}, x, method=target.logits)
+
     def write_kv(
         self,
         params: Any,
@@ -158,65 +177,8 @@ class EagleDrafter(Drafter):
     ) -> list[KVCache]:
         """Entry i from the next token of the batch and the target's feature at i; each
         row's last entry pairs with another row's token until `propose` rewrites it."""
-        following = jnp.roll(inp.token_ids, -1)
-        embeds = self._embed(target_params, following)
-        _, caches = self.model.module.apply(
-            {"params": params}, embeds, hidden, inp.positions, caches, inp.attn
-        )
-        return caches
-
-    def propose(
-        self,
-        params: Any,
-        target_params: Any,
-        caches: list[KVCache],
-        rows: ProposalInputs,
-        features: jax.Array,
-    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        """As `Drafter.propose`; `features` `[R, H]` are the step's hidden states at its
-        logits rows, and a row's first step runs at the position before its newest
-        token, whatever its limit."""
-        module, target = self.model.module, self.target.module
-
-        def step(token, pos, attn, feature, caches):
-            embeds = self._embed(target_params, token)
-            out, caches = module.apply({"params": params}, embeds, feature, pos, caches, attn)
-            return out, out, caches
-
-        score = lambda h: target.apply({"params": target_params}, h, method=target.logits)
-        first = features[rows.feature_rows]
-        return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
-
-
-class Eagle3Drafter(EagleDrafter):
-    """An EAGLE-3 head: as EAGLE-1, but its features are the target's aux hidden states
-    fused by the head's `fc`, its later steps feed its own pre-norm output back, and it
-    scores with its own draft-vocabulary lm_head (mapped to target ids)."""
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
-        return self.model.module.aux_layers
-
-    def _head(self, params: Any, *args: Any, method: str | None = None) -> Any:
-        module = self.model.module
-        return module.apply({"params": params}, *args, method=method or "__call__")
-
-    def _embeds(self, params: Any, target_params: Any, token_ids: jax.Array) -> jax.Array:
-        if self.model.module.own_embedding:
-            return self._head(params, token_ids, method="embed")
-        return self._embed(target_params, token_ids)
-
-    def write_kv(
-        self,
-        params: Any,
-        target_params: Any,
-        caches: list[KVCache],
-        inp: ModelInput,
-        hidden: jax.Array,
-    ) -> list[KVCache]:
-        """As EAGLE-1's, with `hidden` the aux hidden states `[T, 3H]` fused by `fc`."""
         embeds = self._embeds(params, target_params, jnp.roll(inp.token_ids, -1))
-        fused = self._head(params, hidden, method="fuse")
+        fused = self._fuse(params, hidden)
         _, caches = self._head(params, embeds, fused, inp.positions, caches, inp.attn)
         return caches
 
@@ -228,71 +190,46 @@ class Eagle3Drafter(EagleDrafter):
         rows: ProposalInputs,
         features: jax.Array,
     ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        """As `EagleDrafter.propose`; `features` `[R, 3H]` are the aux hidden states at
-        the step's logits rows."""
+        """As `Drafter.propose`; `features` are the step's hidden states at its logits
+        rows, and a row's first step runs at the position before its newest token,
+        whatever its limit; later steps feed the head's own output back."""
 
         def step(token, pos, attn, feature, caches):
             embeds = self._embeds(params, target_params, token)
             out, caches = self._head(params, embeds, feature, pos, caches, attn)
             return out, out, caches
 
-        score = lambda h: self._head(params, h, method="logits")
-        first = self._head(params, features[rows.feature_rows], method="fuse")
+        score = lambda h: self._score(params, target_params, h)
+        first = self._fuse(params, features[rows.feature_rows])
         return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+
+
+class Eagle3Drafter(EagleDrafter):
+    """An EAGLE-3 head: as EAGLE-1, but its features are the target's aux hidden states
+    `[T, 3H]` fused by the head's `fc`, and it scores with its own draft-vocabulary
+    lm_head (mapped to target ids)."""
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.model.module.aux_layers
+
+    def _fuse(self, params: Any, hidden: jax.Array) -> jax.Array:
+        return self._head(params, hidden, method="fuse")
+
+    def _score(self, params: Any, target_params: Any, x: jax.Array) -> jax.Array:
+        return self._head(params, x, method="logits")
 
 
 class MTPDrafter(EagleDrafter):
-    """DeepSeek-V3's MTP layer (`jvllm.models.deepseek_mtp`): as EAGLE-1, its features
-    are the target's final hidden states and its later steps feed its own output back;
-    it scores with its `shared_head` (the target's lm_head where it has none)."""
+    """DeepSeek-V3's MTP layer (`jvllm.models.deepseek_mtp`): as EAGLE-1, the one layer
+    reused for every step; it scores with its `shared_head` (the target's lm_head where
+    it has none)."""
 
-    def _head(self, params: Any, *args: Any, method: str | None = None) -> Any:
-        module = self.model.module
-        return module.apply({"params": params}, *args, method=method or "__call__")
-
-    def _embeds(self, params: Any, target_params: Any, token_ids: jax.Array) -> jax.Array:
-        if self.model.module.own_embedding:
-            return self._head(params, token_ids, method="embed")
-        return self._embed(target_params, token_ids)
-
-    def _logits(self, params: Any, target_params: Any, x: jax.Array) -> jax.Array:
+    def _score(self, params: Any, target_params: Any, x: jax.Array) -> jax.Array:
         normed = self._head(params, x, method="head_norm")
         if self.model.module.own_head:
             return self._head(params, normed, method="logits")
-        target = self.target.module
-        return target.apply({"params": target_params}, normed, method=target.logits)
-
-    def write_kv(
-        self,
-        params: Any,
-        target_params: Any,
-        caches: list[KVCache],
-        inp: ModelInput,
-        hidden: jax.Array,
-    ) -> list[KVCache]:
-        """As EAGLE-1's: entry i from the next token of the batch and the feature at i."""
-        embeds = self._embeds(params, target_params, jnp.roll(inp.token_ids, -1))
-        _, caches = self._head(params, embeds, hidden, inp.positions, caches, inp.attn)
-        return caches
-
-    def propose(
-        self,
-        params: Any,
-        target_params: Any,
-        caches: list[KVCache],
-        rows: ProposalInputs,
-        features: jax.Array,
-    ) -> tuple[jax.Array, jax.Array, list[KVCache]]:
-        """As `EagleDrafter.propose`, the one layer reused for every step."""
-
-        def step(token, pos, attn, feature, caches):
-            embeds = self._embeds(params, target_params, token)
-            out, caches = self._head(params, embeds, feature, pos, caches, attn)
-            return out, out, caches
-
-        score = lambda h: self._logits(params, target_params, h)
-        first = features[rows.feature_rows]
-        return draft_steps(self.k, self.block_size, rows, caches, step, score, first, True)
+        return super()._score(params, target_params, normed)
 
 
 class MedusaDrafter(Drafter):

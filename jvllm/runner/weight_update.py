@@ -120,6 +120,10 @@ class DeviceMemory:
         layout). Tensors not given keep their values."""
         model = self._model(draft)
         mesh = self.runner.mesh
+        if model.vision is not None:  # its tower, projector and image cache stay as loaded
+            raise ValueError(
+                "update_weights covers text-only models; this one is a vision-language model"
+            )
         if model.spec.quantization is not None or pp_size(mesh) > 1:
             raise ValueError(
                 "update_weights supports float weights without pipeline stages; this engine "

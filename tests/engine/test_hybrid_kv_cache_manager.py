@@ -75,3 +75,18 @@ def test_a_pool_too_small_for_one_sequence_and_its_window_is_refused():
     assert isinstance(kv, HybridKVCacheManager)
     with pytest.raises(ValueError, match="num_blocks=11 .* needs 12 blocks"):
         new_kv_cache_manager(cache, MAX_LEN, 11, 0, 0, 0, 12)
+
+
+def test_a_child_forks_only_while_its_source_holds_the_window_it_reads():
+    """A sibling admitted after its source decoded past the window would read freed
+    sliding blocks: can_fork says no, and the scheduler then prefills it instead."""
+    kv = HybridKVCacheManager(40, BS, WINDOW, MAX_LEN)
+    source = Request("a", list(range(14)), SamplingParams())
+    _run(kv, source, 14)
+    assert kv.can_fork("a", 13)  # the prompt just computed: blocks 2 and 3 held
+    for _ in range(8):  # decode to position 21: blocks up to 3 leave the window
+        source.output_token_ids.append(7)
+        _run(kv, source, 1)
+    assert NULL_BLOCK in kv.get_sliding_block_table("a")[2:4]
+    assert not kv.can_fork("a", 13)
+    assert not kv.can_fork("gone", 13)

@@ -33,7 +33,8 @@ REQUIREMENTS = (
 )
 EIGHT_B_BUCKETS = (16, 256, 2048)  # smallest, a middle one, the largest of 16..2048
 # The 8B alone takes about as long as the rest.
-PROCESSES = (("8b", "mla-kernel"), ("tiny", "tp", "bad", "moe", "stacks"))
+PROCESSES = (("8b", "mla-kernel", "mla"), ("tiny", "tp", "bad", "moe", "stacks"))
+MLA_BUCKETS = (16,)  # the DeepSeek-V3 stack at one bucket (~12 s; the CLI runs three)
 TIMEOUT_S = 600
 DTYPES = ("bfloat16", "float32")
 
@@ -74,7 +75,7 @@ def _start(site: Path, sections: tuple[str, ...], tiny: list[Path], out: Path):
     )
     cmd = [sys.executable, "-m", "jvllm.testing.deviceless_cli", "--target", str(TARGET)]
     cmd += ["--sections", *sections, "--report", str(out), "--tiny", *map(str, tiny)]
-    cmd += ["--buckets", *map(str, EIGHT_B_BUCKETS)]
+    cmd += ["--buckets", *map(str, EIGHT_B_BUCKETS), "--mla-buckets", *map(str, MLA_BUCKETS)]
     with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -87,7 +88,7 @@ def _merge(parts: list[dict]) -> dict:
         report["bad_launches"] |= part["bad_launches"]
     report["seconds"] = max(p["seconds"] for p in parts)
     kept = ("throughput_8b_kv", "fp8_matmul", "sizing_half", "unlimited_forward", "moe")
-    kept += ("stacks", "mla_kernel")
+    kept += ("stacks", "mla_kernel", "mla")
     return report | {k: v for p in parts for k, v in p.items() if k in kept}
 
 
@@ -315,3 +316,15 @@ def test_mla_decode_kernel_builds_at_deepseek_v3_shapes(report):
     assert {k["kernel_name"] for k in kernels} == {"mla_decode_kernel", "merge_splits_kernel"}
     assert [k["problems"] for k in kernels if k["problems"]] == []
     assert all(0 < k["registers"] <= 255 and k["spill_bytes"] == 0 for k in kernels)
+
+
+def test_deepseek_v3_stack_compiles_with_the_mla_kernel(report):
+    """A DeepSeek-V3-shaped stack of 4 layers (bf16, "triton" backend): its decode rows
+    run the Triton MLA kernel, its experts the grouped matmul, and its latent cache
+    block holds 3/256 of a per-head one's bytes (576 against 2 x 128 x 192 a token)."""
+    mla = report["mla"]
+    assert mla["num_layers"] == 4
+    (forward,) = mla["forwards"]
+    assert forward["num_tokens"] == MLA_BUCKETS[0] and forward["temp_bytes"] > 0
+    assert {"mla_decode_kernel", "grouped_matmul_kernel"} <= set(forward["triton_kernels"])
+    assert mla["kv_block_bytes"] * 256 == mla["per_head_block_bytes"] * 3

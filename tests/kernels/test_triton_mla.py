@@ -11,6 +11,7 @@ a head count that leaves the last head block partial. Error is |out - ref| / |re
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -160,3 +161,67 @@ def test_mla_decode_in_jit_matches_the_reference_at_v3_shapes(num_splits):
     assert not got[~real].any()
     err = np.linalg.norm(got[real] - ref[real]) / np.linalg.norm(ref[real])
     assert err < 2e-2, err
+
+
+def _mixed_batch(dtype: jnp.dtype) -> tuple[tuple, jax.Array]:
+    """Three decodes, a 5-token prefill chunk and a padding sequence over shuffled blocks
+    (the runner's row order: decodes first), and its query_start_loc."""
+    rng = np.random.default_rng(3)
+    seq_lens = np.array([1, 17, 40, 12, 0], np.int32)
+    q_lens = np.array([1, 1, 1, 5, 0], np.int32)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    num_tokens = int(q_lens.sum()) + 3  # bucket padding past the last row
+    tables = np.zeros((len(seq_lens), WIDTH), np.int32)
+    perm, first = 1 + rng.permutation(NUM_BLOCKS - 1), 0
+    for s, n in enumerate(seq_lens):
+        tables[s, : -(-n // BS)] = perm[first : first + -(-n // BS)]
+        first += -(-n // BS)
+    val = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    args = (
+        val(num_tokens, HEADS, NOPE),
+        val(num_tokens, HEADS, ROPE),
+        val(NUM_BLOCKS, BS, 1, RANK),
+        val(NUM_BLOCKS, BS, 1, ROPE),
+        val(HEADS, NOPE, RANK) / 4,
+        val(HEADS, V_DIM, RANK) / 4,
+        jnp.asarray(tables),
+        jnp.asarray(seq_lens),
+    )
+    return args, qsl
+
+
+def _reference_decode(q_nope, q_pe, latent, rope, w_kb, w_vb, tables, seq_lens, scale):
+    """`mla_decode`'s contract computed by the reference: one query per sequence."""
+    qsl = jnp.arange(q_nope.shape[0] + 1, dtype=jnp.int32)
+    out = mla_reference.mla_paged_attention(
+        q_nope, q_pe, latent, rope, w_kb, w_vb, tables, seq_lens, qsl, scale
+    )
+    return jnp.where((seq_lens > 0)[:, None, None], out, 0.0)
+
+
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_a_decode_kernel_takes_the_decode_rows_of_a_mixed_batch(gpu):
+    """`mla_paged_attention(decode=...)` hands the kernel the leading decode rows and
+    keeps the prefill rows expanded: equal to the reference alone. On a GPU the kernel is
+    `jax_triton_mla.mla_decode`; on a CPU the same contract computed by the reference."""
+    if gpu and jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU and jax-triton")
+    if gpu:
+        from jvllm.kernels.jax_triton_mla import mla_decode as decode
+    else:
+        decode = _reference_decode
+    traced = []  # the kernel is traced into the program (once)
+    kernel = decode
+    decode = lambda *a: traced.append(a[0].shape) or kernel(*a)
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    args, qsl = _mixed_batch(dtype)
+    scale = (NOPE + ROPE) ** -0.5
+    attend = lambda *a, decode=None: mla_reference.mla_paged_attention(
+        *a, qsl, scale, decode=decode
+    )
+    want = np.asarray(jax.jit(attend)(*args), np.float32)
+    got = np.asarray(jax.jit(functools.partial(attend, decode=decode))(*args), np.float32)
+    assert traced == [(5, HEADS, NOPE)]  # one query per sequence slot
+    rows = int(qsl[-1])
+    err = np.linalg.norm(got[:rows] - want[:rows]) / np.linalg.norm(want[:rows])
+    assert err < (2e-2 if gpu else 1e-6), err

@@ -87,3 +87,16 @@ def make_plain_rope_tokens(path, prompt: list[int], eos: int) -> list[int]:
     config.max_position_embeddings = 256
     model = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="eager")
     return hf_greedy(model.eval(), prompt, NEW_TOKENS, eos)
+
+
+def test_dynamic_rope_turns_prefix_caching_off(dynamic_llama):
+    """Cached keys carry the rotation of the request that wrote them, which dynamic NTK
+    takes from that request's length: a block cannot serve another request."""
+    from jvllm.engine_resolution import resolve_prefix_caching
+    from jvllm.models.loader import read_config
+    from jvllm.models.registry import read_spec
+
+    spec = read_spec(read_config(dynamic_llama))
+    assert spec.rope.rope_type == "dynamic"
+    assert resolve_prefix_caching(True, spec) is False
+    assert resolve_prefix_caching(False, spec) is False

@@ -125,6 +125,12 @@ def test_bad_image_input_is_a_clear_error(llm: LLM):
     assert generate(llm, "w5 <image> w6", [_image(3)])
 
 
+def test_weight_updates_are_refused_for_a_vision_language_model(llm: LLM, llava_dir: Path):
+    """Its tower, projector and cached image embeddings would stay as loaded."""
+    with pytest.raises(ValueError, match="vision-language"):
+        llm.update_weights(str(llava_dir))
+
+
 def test_a_data_url_image_is_the_same_image(llm: LLM, hf):
     import base64
     import io

@@ -110,3 +110,36 @@ def test_tp2_logits_match_hf(phi3, phi3_hf):
     ours = runner(phi3, 256, make_mesh(2))
     got = ours.forward_logits([Row(ids, 0, [1, 2, 3, 4, 5, 6])], every_token=True)[0]
     assert_close(got, hf_logits(phi3_hf, ids))
+
+
+def test_partial_rotary_logits_match_hf(tmp_path, tokenizer_dir):
+    """Phi-4-mini's layout: `partial_rotary_factor` 0.5 rotates the first 8 of each
+    head's 16 dims (LongRoPE's factors one per rotated pair) and passes the rest through:
+    a 40-token prompt chunked by 16, then decodes, against Transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from jvllm.testing.mla_checkpoints import _factors
+
+    rope = dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=_factors(3, 4, 1.0, 1.5),
+        long_factor=_factors(4, 4, 1.0, 8.0),
+        partial_rotary_factor=0.5,
+    )
+    path = make_variant_checkpoint("phi3", tmp_path / "p", tokenizer_dir, rope_parameters=rope)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert load_model(path).spec.rope.partial_rotary_factor == 0.5
+    ours = runner(path, WINDOW)
+    ids, blocks, got = random_ids(48, seed=6), [7, 3, 12, 1], []
+    for start in range(0, 40, 16):
+        got += list(
+            ours.forward_logits(
+                [Row(ids[start : min(start + 16, 40)], start, blocks)], every_token=True
+            )[0]
+        )
+    for pos in range(40, 48):
+        got.append(ours.forward_logits([Row([ids[pos]], pos, blocks)])[0])
+    assert_close(np.stack(got[:40]), hf_logits(hf, ids[:40]))
+    decode_ref = [hf_logits(hf, ids[: pos + 1])[-1] for pos in range(40, 48)]
+    assert_close(np.stack(got[40:]), np.stack(decode_ref))

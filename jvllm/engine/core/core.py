@@ -106,9 +106,14 @@ class EngineCore:
         if isinstance(message, m.AddRequest):
             return self.add_request(client, message)
         if isinstance(message, m.Abort):
-            for request_id in message.request_ids:
+            aborted = set(message.request_ids)
+            for request_id in aborted:
                 if self._owner.pop(request_id, None) is not None:
                     self.engine.abort_request(request_id)
+            # Outputs a run-ahead step made for them: a reused id must not receive them.
+            pending = self._pending.get(client)
+            if pending:
+                pending[:] = [out for out in pending if out.request_id not in aborted]
             return m.UtilityReply(result=dict(self.engine.get_metrics()))
         if isinstance(message, m.UtilityCall):
             return self.call_utility(message)

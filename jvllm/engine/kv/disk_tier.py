@@ -141,6 +141,10 @@ class DiskPrefixTier:
             self._writing.add(key)
             self._ops.writes.append((host_block, key))
 
+    def forget(self, request_id: str) -> None:
+        """A request that ends (finished or aborted) waits for nothing any more."""
+        self._waiting.pop(request_id, None)
+
     def still_waiting(self, request_id: str) -> bool | None:
         """Whether the request still waits for blocks read ahead for it; None when it
         has had no read-ahead yet (then `read_ahead` decides)."""

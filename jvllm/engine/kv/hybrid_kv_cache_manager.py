@@ -93,6 +93,16 @@ class HybridKVCacheManager(KVCacheManager):
             self._write_sliding_row(rid)
         return True
 
+    def can_fork(self, source_id: str, num_tokens: int) -> bool:
+        """As the one-group manager's, and the source has not yet freed a sliding block
+        that the child's first query (at `num_tokens`) reads: a source that decoded on
+        past the window has."""
+        if not super().can_fork(source_id, num_tokens):
+            return False
+        sliding = self._sliding_tables.get(source_id, [])[: cdiv(num_tokens, self.block_size)]
+        first_read = max(0, (num_tokens - self.sliding_window + 1) // self.block_size)
+        return NULL_BLOCK not in sliding[first_read:]
+
     def fork(self, source_id: str, child_id: str, num_tokens: int) -> None:
         super().fork(source_id, child_id, num_tokens)
         shared = self._sliding_tables.get(source_id, [])[: cdiv(num_tokens, self.block_size)]

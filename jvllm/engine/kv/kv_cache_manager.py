@@ -213,6 +213,10 @@ class KVCacheManager:
             self._register_full_blocks(request, table, end)
         return True
 
+    def can_fork(self, source_id: str, num_tokens: int) -> bool:
+        """Whether the source holds every block a child forked at `num_tokens` reads."""
+        return source_id in self._block_tables
+
     def fork(self, source_id: str, child_id: str, num_tokens: int) -> None:
         """Share the source's blocks covering its first `num_tokens` positions with the child.
 
@@ -234,8 +238,10 @@ class KVCacheManager:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
-        if self.disk_tier is not None and table:  # a producer sends its blocks on
-            self._offloads += self.disk_tier.push(table, self._content_ids.get(request_id, []))
+        if self.disk_tier is not None:
+            self.disk_tier.forget(request_id)  # a read-ahead it may have waited for
+            if table:  # a producer sends its blocks on
+                self._offloads += self.disk_tier.push(table, self._content_ids.get(request_id, []))
         self.table_array.release(request_id)
         self.block_pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         if self.swap_space is not None:

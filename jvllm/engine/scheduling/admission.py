@@ -170,9 +170,11 @@ class Admission:
         set its computed tokens to what it shares; the chunk's size, or None (nothing
         taken) when the free blocks do not suffice."""
         kv = self.kv_cache_manager
+        num_shared = request.num_prompt_tokens - 1
+        if request.fork_source is not None and not kv.can_fork(request.fork_source, num_shared):
+            request.fork_source = None  # its source freed window blocks: prefill instead
         if request.fork_source is not None:
             # Share the whole prompt but its last token, which the child runs to sample.
-            num_shared = request.num_prompt_tokens - 1
             kv.fork(request.fork_source, request.request_id, num_shared)
             request.num_computed_tokens = num_shared
             num_new = min(request.num_tokens - num_shared, budget)
