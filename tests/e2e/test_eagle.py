@@ -50,6 +50,47 @@ def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return seen
 
 
+# Six prompts of repetitive tokens (the tiny heads' drafts get kept), 3 to 41 tokens long.
+DRAFT_PROMPTS = [
+    {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
+    for i, n in enumerate((3, 9, 20, 33, 5, 41))
+]
+
+
+def speculated_like_plain(
+    target: str, engine: dict, config: dict
+) -> tuple[LLM, list[tuple[list[int], list[int]]]]:
+    """Greedy tokens of DRAFT_PROMPTS with `config`'s speculation equal plain decoding's,
+    with preemptions, some drafts kept and some not, and every block back; the
+    speculating engine and (sequence, drafts) for each proposal it made."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, **engine)
+    want = [o.outputs[0].token_ids for o in plain.generate(DRAFT_PROMPTS, greedy, use_tqdm=False)]
+    del plain
+    llm = LLM(target, speculative_config=config, **engine)
+    seen = _record_drafts(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(DRAFT_PROMPTS, greedy, use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    return llm, seen
+
+
+def seeded_draws_alone_as_batched(llm: LLM) -> None:
+    """Seeded sampling under speculation: a request draws the same alone as beside others."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)
+    ]
+    prompts = DRAFT_PROMPTS[:2]
+    batch = llm.generate(prompts * 2, [greedy, greedy, *seeded], use_tqdm=False)
+    for prompt, params, out in zip(prompts, seeded, batch[2:], strict=True):
+        alone = llm.generate([prompt], params, use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
 @pytest.mark.slow
 def test_eagle_drafts_match_a_transformers_head(tiny):
     from transformers import AutoModelForCausalLM
@@ -61,27 +102,8 @@ def test_eagle_drafts_match_a_transformers_head(tiny):
     engine = dict(
         max_model_len=96, max_num_seqs=6, max_num_batched_tokens=16, num_gpu_blocks_override=9
     )
-    lengths = (3, 9, 20, 33, 5, 41)
-    prompts = [
-        {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
-        for i, n in enumerate(lengths)
-    ]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    seeded = [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)
-    ]
-    plain = LLM(target, **engine)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    del plain
     config = {"method": "eagle", "model": head, "num_speculative_tokens": K}
-    llm = LLM(target, speculative_config=config, **engine)
-    seen = _record_drafts(llm)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
-    m = llm.get_metrics()
-    assert m["num_preemptions"] > 0
-    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
-    assert m["num_free_blocks"] == m["num_total_blocks"]
+    llm, seen = speculated_like_plain(target, engine, config)
 
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     reference = load_head(head)
@@ -89,11 +111,7 @@ def test_eagle_drafts_match_a_transformers_head(tiny):
     for sequence, drafts in seen:
         assert reference_drafts(hf, reference, sequence, len(drafts)) == drafts, sequence
 
-    # Seeded sampling: a request draws the same alone as beside others.
-    batch = llm.generate(prompts[:2] * 2, [greedy, greedy, *seeded], use_tqdm=False)
-    for prompt, params, out in zip(prompts[:2], seeded, batch[2:], strict=True):
-        alone = llm.generate([prompt], params, use_tqdm=False)
-        assert alone[0].outputs[0].token_ids == out.outputs[0].token_ids
+    seeded_draws_alone_as_batched(llm)
 
 
 def test_an_eagle_head_must_fit_the_target(tiny, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM
 
 K = 3
 AUX_LAYERS = (0, 1, 2)  # the 2-layer target's embedding, layer 1's input, its output
@@ -40,29 +40,13 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
     from transformers import AutoModelForCausalLM
 
     from jvllm.testing.eagle3 import load_head, reference_drafts
-    from tests.e2e.test_eagle import _record_drafts
+    from tests.e2e.test_eagle import seeded_draws_alone_as_batched, speculated_like_plain
 
     target, head = tiny
     # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
     engine = {**ENGINE, "num_gpu_blocks_override": 9}
-    lengths = (3, 9, 20, 33, 5, 41)
-    prompts = [
-        {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
-        for i, n in enumerate(lengths)
-    ]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = LLM(target, **engine)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    del plain
     config = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
-    llm = LLM(target, speculative_config=config, **engine)
-    seen = _record_drafts(llm)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
-    m = llm.get_metrics()
-    assert m["num_preemptions"] > 0
-    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
-    assert m["num_free_blocks"] == m["num_total_blocks"]
+    llm, seen = speculated_like_plain(target, engine, config)
 
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     reference, target_ids = load_head(head)
@@ -73,14 +57,7 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
         want_drafts = reference_drafts(hf, reference, target_ids, AUX_LAYERS, sequence, len(drafts))
         assert want_drafts == drafts, sequence
 
-    # Seeded sampling: a request draws the same alone as beside others.
-    seeded = [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)
-    ]
-    batch = llm.generate(prompts[:2] * 2, [greedy, greedy, *seeded], use_tqdm=False)
-    for prompt, params, out in zip(prompts[:2], seeded, batch[2:], strict=True):
-        alone = llm.generate([prompt], params, use_tqdm=False)
-        assert alone[0].outputs[0].token_ids == out.outputs[0].token_ids
+    seeded_draws_alone_as_batched(llm)
 
 
 def test_eagle3_speculators_names_and_own_embedding(tiny, tmp_path):

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jvllm import LLM, SamplingParams
-from tests.e2e.test_eagle import _record_drafts
+from jvllm import LLM
+from tests.e2e.test_eagle import seeded_draws_alone_as_batched, speculated_like_plain
 
 K = 3
 ENGINE = dict(
@@ -49,24 +49,8 @@ def test_medusa_drafts_match_torch_heads_and_outputs_equal_plain_decoding(tiny):
     from jvllm.testing.medusa import load_heads, reference_drafts
 
     target, heads, faster = tiny
-    lengths = (3, 9, 20, 33, 5, 41)
-    prompts = [
-        {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
-        for i, n in enumerate(lengths)
-    ]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = LLM(target, **ENGINE)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    del plain
     config = {"method": "medusa", "model": heads, "num_speculative_tokens": K}
-    llm = LLM(target, speculative_config=config, **ENGINE)
-    seen = _record_drafts(llm)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
-    m = llm.get_metrics()
-    assert m["num_preemptions"] > 0
-    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
-    assert m["num_free_blocks"] == m["num_total_blocks"]
+    llm, seen = speculated_like_plain(target, ENGINE, config)
 
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     reference = load_heads(heads)
@@ -74,14 +58,7 @@ def test_medusa_drafts_match_torch_heads_and_outputs_equal_plain_decoding(tiny):
     for sequence, drafts in seen:
         assert reference_drafts(hf, reference, sequence, len(drafts)) == drafts, sequence
 
-    # Seeded sampling: a request draws the same alone as beside others.
-    seeded = [
-        SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)
-    ]
-    batch = llm.generate(prompts[:2] * 2, [greedy, greedy, *seeded], use_tqdm=False)
-    for prompt, params, out in zip(prompts[:2], seeded, batch[2:], strict=True):
-        alone = llm.generate([prompt], params, use_tqdm=False)
-        assert alone[0].outputs[0].token_ids == out.outputs[0].token_ids
+    seeded_draws_alone_as_batched(llm)
 
     # FasterDecoding's names hold the same heads.
     runner = llm.llm_engine.runner

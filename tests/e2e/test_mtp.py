@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 
-from jvllm import LLM, SamplingParams
 from jvllm.config import SpeculativeConfig
 
 K = 3
@@ -32,28 +31,13 @@ def target(tmp_path_factory) -> str:
 
 def test_mtp_drafts_match_transformers_and_outputs_match_plain_decoding(target):
     from jvllm.testing.mtp import load_reference, reference_drafts
-    from tests.e2e.test_eagle import _record_drafts
+    from tests.e2e.test_eagle import speculated_like_plain
 
     # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
     engine = {**ENGINE, "num_gpu_blocks_override": 9}
-    lengths = (3, 9, 20, 33, 5, 41)
-    prompts = [
-        {"prompt_token_ids": [4 + (i * 7 + j * 3) % 4 for j in range(n)]}
-        for i, n in enumerate(lengths)
-    ]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = LLM(target, **engine)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    del plain
-    llm = LLM(target, speculative_config={"method": "mtp", "num_speculative_tokens": K}, **engine)
+    config = {"method": "mtp", "num_speculative_tokens": K}
+    llm, seen = speculated_like_plain(target, engine, config)
     assert llm.llm_engine.config.speculative_config.method == "deepseek_mtp"
-    seen = _record_drafts(llm)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert got == want
-    m = llm.get_metrics()
-    assert m["num_preemptions"] > 0
-    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
-    assert m["num_free_blocks"] == m["num_total_blocks"]
 
     hf, parts = load_reference(target)
     assert len(seen) > 60
