@@ -133,6 +133,12 @@ def token_losses(params: dict, tokens: Any, mask: Any) -> tuple[Any, Any]:
     return jnp.sum(nll * m), jnp.sum(m)
 
 
+def training_windows(rng: np.random.Generator, stream: np.ndarray, batch: int) -> np.ndarray:
+    """`batch` random windows of CONTEXT + 1 tokens of the training stream `[B, C + 1]`."""
+    starts = rng.integers(0, len(stream) - CONTEXT - 1, batch)
+    return np.stack([stream[s : s + CONTEXT + 1] for s in starts])
+
+
 def held_out_batches(examples: list[list[int]], pad: int, batch: int):
     """Each held-out example alone in a row (truncated to the context), padded."""
     for start in range(0, len(examples), batch):
@@ -197,8 +203,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
     started = time.perf_counter()
     bar = tqdm(range(steps), desc="train", unit="step")
     for i in bar:
-        starts = rng.integers(0, len(stream) - CONTEXT - 1, batch)
-        tokens = np.stack([stream[s : s + CONTEXT + 1] for s in starts])
+        tokens = training_windows(rng, stream, batch)
         params, opt_state, loss = step(params, opt_state, tokens)
         # A sync each step keeps the bar's rate true; a step is seconds long, so it is free.
         bar.set_postfix(loss=f"{float(loss):.3f}")

@@ -40,6 +40,7 @@ from jvllm.demo.train import (
     held_out_batches,
     init_params,
     make_optimizer,
+    training_windows,
 )
 
 DEMO_DIR = Path(__file__).resolve().parent
@@ -251,8 +252,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
     started, eval_seconds = time.perf_counter(), 0.0
     bar = tqdm(range(steps), desc="train", unit="step")
     for i in bar:
-        starts = rng.integers(0, len(stream) - CONTEXT - 1, batch)
-        tokens = np.stack([stream[s : s + CONTEXT + 1] for s in starts])
+        tokens = training_windows(rng, stream, batch)
         key, sub = jax.random.split(key)
         head, opt_state, loss = step(head, opt_state, tokens, sub)
         bar.set_postfix(loss=f"{float(loss):.4f}")

@@ -34,7 +34,14 @@ import numpy as np
 
 from jvllm.demo import corpus
 from jvllm.demo.eagle_math import causal_attention, decoder_layer, mlp, rms, rope, rope_tables
-from jvllm.demo.train import _LAYER_KEYS, CONTEXT, MODEL_SHAPE, held_out_batches, make_optimizer
+from jvllm.demo.train import (
+    _LAYER_KEYS,
+    CONTEXT,
+    MODEL_SHAPE,
+    held_out_batches,
+    make_optimizer,
+    training_windows,
+)
 from jvllm.demo.train_eagle import TARGET_DIR, load_corpus, load_target
 
 EAGLE3_DIR = Path(__file__).resolve().parent / "eagle3"
@@ -256,8 +263,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
 
     started = time.perf_counter()
     for _ in (bar := tqdm(range(steps), desc="train", unit="step", mininterval=10)):
-        starts = rng.integers(0, len(stream) - CONTEXT - 1, batch)
-        tokens = np.stack([stream[s : s + CONTEXT + 1] for s in starts])
+        tokens = training_windows(rng, stream, batch)
         head, opt_state, loss = step(head, opt_state, tokens)
         bar.set_postfix(loss=f"{float(loss):.4f}")
     minutes = (time.perf_counter() - started) / 60

@@ -24,7 +24,7 @@ import numpy as np
 
 from jvllm.demo import corpus
 from jvllm.demo.eagle_math import target_features
-from jvllm.demo.train import CONTEXT, held_out_batches, make_optimizer
+from jvllm.demo.train import CONTEXT, held_out_batches, make_optimizer, training_windows
 from jvllm.demo.train_eagle import TARGET_DIR, load_corpus, load_target
 
 MEDUSA_DIR = Path(__file__).resolve().parent / "medusa"
@@ -145,8 +145,7 @@ def train(out: Path, steps: int, batch: int, seed: int, lr: float) -> dict[str, 
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
     for _ in (bar := tqdm(range(steps), desc="train", unit="step")):
-        starts = rng.integers(0, len(stream) - CONTEXT - 1, batch)
-        tokens = np.stack([stream[s : s + CONTEXT + 1] for s in starts])
+        tokens = training_windows(rng, stream, batch)
         heads, opt_state, loss = step(heads, opt_state, tokens)
         bar.set_postfix(loss=f"{float(loss):.4f}")
     minutes = (time.perf_counter() - started) / 60
