@@ -24,21 +24,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("tp,pp", [(4, 1), (2, 2)])
-def test_two_processes_match_single_device(checkpoints, tmp_path, tp, pp):
+REPO = Path(__file__).resolve().parents[2]
+
+
+def two_processes_equal_one_device(model: str, tmp_path: Path, layout: list[str]) -> None:
+    """Runs `multihost_worker.py` on two processes joined by jax.distributed (2 CPU
+    devices each; `layout`: the worker's TP, PP [and "ep"] arguments) over three prompts,
+    and checks both report one device's greedy tokens."""
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(6, 500, size=n)] for n in (5, 30, 70)]
-    model = str(checkpoints["llama"])
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
+        # The workers import this tree's jvllm, not an installed one.
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     address = f"127.0.0.1:{free_port()}"
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), model, address, str(i), str(outs[i]), str(tp), str(pp)],
+            [sys.executable, str(WORKER), model, address, str(i), str(outs[i]), *layout],
             stdin=subprocess.PIPE,
             env=env,
             text=True,
@@ -58,3 +64,8 @@ def test_two_processes_match_single_device(checkpoints, tmp_path, tp, pp):
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ]
     assert results[0] == results[1] == single
+
+
+@pytest.mark.parametrize("tp,pp", [(4, 1), (2, 2)])
+def test_two_processes_match_single_device(checkpoints, tmp_path, tp, pp):
+    two_processes_equal_one_device(str(checkpoints["llama"]), tmp_path, [str(tp), str(pp)])
