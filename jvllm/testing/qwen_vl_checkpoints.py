@@ -4,8 +4,9 @@ Owns `make_qwen2_5_vl_checkpoint`: Transformers' own `Qwen2_5_VLForConditionalGe
 (the window-attention ViT with its patch merger, and a Qwen2 language model with M-RoPE),
 every parameter perturbed away from its initial constant, saved with
 its image processor (`Qwen2VLImageProcessorPil`) and a word tokenizer with the vision
-tokens and a chat template that takes image content parts. Imports nothing of jvllm
-but `checkpoints`.
+tokens and a chat template that takes image content parts; `transformers_processor`:
+Transformers' own processor of such a checkpoint (the reference side of tests and
+benchmarks). Imports nothing of jvllm but `checkpoints`.
 """
 
 from __future__ import annotations
@@ -111,3 +112,22 @@ def make_qwen2_5_vl_checkpoint(
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out)
     return out
+
+
+def transformers_processor(path: str | Path) -> Any:
+    """Transformers' own `Qwen2_5_VLProcessor` of a checkpoint, for reference runs,
+    without its video processor (which needs torchvision, absent here): its class
+    check of that part is skipped."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    try:
+        return Qwen2_5_VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(path),
+            tokenizer=AutoTokenizer.from_pretrained(path),
+            video_processor=None,
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check

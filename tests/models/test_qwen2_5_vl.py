@@ -12,7 +12,11 @@ import pytest
 from PIL import Image
 
 from jvllm import LLM, SamplingParams
-from jvllm.testing.qwen_vl_checkpoints import IMAGE_PLACEHOLDER, make_qwen2_5_vl_checkpoint
+from jvllm.testing.qwen_vl_checkpoints import (
+    IMAGE_PLACEHOLDER,
+    make_qwen2_5_vl_checkpoint,
+    transformers_processor,
+)
 
 MAX_TOKENS = 6
 IMG = IMAGE_PLACEHOLDER
@@ -22,24 +26,6 @@ def _image(seed: int, size: tuple[int, int] = (40, 24)) -> Image.Image:
     w, h = size
     pixels = np.random.RandomState(seed).randint(0, 255, (h, w, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
-
-
-def hf_processor(path: Path):
-    """Transformers' Qwen2_5_VLProcessor without its video processor (which needs
-    torchvision, absent here): its class check of that part is skipped."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
-    try:
-        return Qwen2_5_VLProcessor(
-            image_processor=AutoImageProcessor.from_pretrained(path),
-            tokenizer=AutoTokenizer.from_pretrained(path),
-            video_processor=None,
-        )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +38,7 @@ def hf(qwen_dir: Path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
-    return model, hf_processor(qwen_dir)
+    return model, transformers_processor(qwen_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
-from jvllm.testing.qwen_vl_checkpoints import make_qwen2_5_vl_checkpoint
-from tests.models.test_qwen2_5_vl import hf_processor
+from jvllm.testing.qwen_vl_checkpoints import make_qwen2_5_vl_checkpoint, transformers_processor
 from tests.server import API_KEY, ServerProcess, auth_headers
 from tests.server.test_vision_api import data_url, image_part
 
@@ -54,7 +53,7 @@ def hf_chat_greedy(qwen_dir, messages: list[dict], images: list[Image.Image]) ->
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    processor = hf_processor(qwen_dir)
+    processor = transformers_processor(qwen_dir)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir).eval()
     text = processor.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
