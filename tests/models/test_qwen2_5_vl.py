@@ -164,3 +164,11 @@ def test_bad_image_input_is_a_clear_error(llm: LLM):
     with pytest.raises(ValueError, match="does not fit its images"):
         llm.generate([{"prompt": "w5 w6", "multi_modal_data": {"image": _image(0)}}], params)
     assert generate(llm, f"w5 {IMG} w6", [_image(3)])  # the engine keeps serving
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_equals_transformers(qwen_dir: Path, hf):
+    """The language model split over two CPU devices, the tower replicated."""
+    llm2 = LLM(str(qwen_dir), tensor_parallel_size=2, max_model_len=160, max_num_seqs=4, seed=0)
+    text, images = CASES[1][0], [_image(1), _image(2, (32, 32))]
+    assert generate(llm2, text, images) == hf_greedy(hf, text, images)
