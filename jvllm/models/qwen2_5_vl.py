@@ -195,21 +195,21 @@ def mrope_positions(
     a text token sits at its index plus the shift of the images before it, an image's
     tokens at (t, h, w) over its merged grid from the position its first token would
     have, and each image shifts what follows by max(h, w) - its token count."""
-    index = np.arange(start, start + num_tokens)
-    out = np.broadcast_to(index, (3, num_tokens)).copy()
-    shift = 0
+    out = np.broadcast_to(np.arange(start, start + num_tokens), (3, num_tokens)).copy()
+    shift = 0  # the images' shift so far: the next position minus the next index
     for f in sorted(features, key=lambda f: f.offset):
         assert f.token_grid is not None, "an M-RoPE image needs its token grid"
         t, h, w = f.token_grid
         end = f.offset + f.length
         lo, hi = max(start, f.offset), min(start + num_tokens, end)
-        if lo < hi:
+        if lo < hi:  # the image's tokens in this slice
             k = np.arange(lo, hi) - f.offset
             grid_pos = np.stack([k // (h * w), (k // w) % h, k % w])  # [3, n]
             out[:, lo - start : hi - start] = f.offset + shift + grid_pos
+        # Every token after the image moves by its shift (image tokens of later images
+        # are written over with their own grid above).
+        out[:, max(end - start, 0) :] += max(h, w) - f.length
         shift += max(h, w) - f.length
-        after = max(end - start, 0)
-        out[:, after:] += max(h, w) - f.length
     return out.astype(np.int32)
 
 
