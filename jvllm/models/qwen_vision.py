@@ -6,7 +6,7 @@ processor's flattened patches), the 2-D rotary embedding of each patch's (row, c
 window attention (windows of `window_size` pixels over the merged grid) with full
 attention at `fullatt_block_indexes`, RMSNorm + SwiGLU blocks, and the patch merger
 (spatial_merge_size^2 patches -> one language-model embedding). The window order, the
-rotary positions and the attention masks depend on the grid only, so they are numpy
+rotary angles and each patch's window depend on the grid only, so they are numpy
 constants of each grid's program. Parameters are a flat dict keyed by the tensor's name
 inside `visual.` (`blocks.0.attn.qkv.weight`, `merger.mlp.0.bias`, ...). Not owned:
 loading them (`models/qwen2_5_vl.py`), or the processor.
@@ -127,7 +127,7 @@ def _rotate(x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
 
 
 def block(
-    p: Params, spec: QwenVisionSpec, i: int, x: jax.Array, rope: tuple, mask: np.ndarray
+    p: Params, spec: QwenVisionSpec, i: int, x: jax.Array, rope: tuple, mask: jax.Array
 ) -> jax.Array:
     """One block: x + attention(norm1(x)) within `mask` `[P, P]`, then + SwiGLU(norm2)."""
     pre = f"blocks.{i}"
@@ -160,9 +160,11 @@ def encode(p: Params, spec: QwenVisionSpec, pixels: jax.Array, grid: Grid) -> ja
     patch_order = (order[:, None] * u + np.arange(u)).ravel()  # [P]: patches window by window
     x = x[patch_order]
     cos, sin = rotary(spec, patch_positions(grid, spec.spatial_merge_size)[patch_order])
-    frame = patch_order // (grid[1] * grid[2])  # full attention is within a frame
-    windowed = window_of_patch[:, None] == window_of_patch[None, :]  # [P, P]
-    full = frame[:, None] == frame[None, :]
+    # [P, P] masks built in the program from [P] ids (as constants they would be P^2
+    # bytes each in the program text). Full attention is within a frame.
+    window = jnp.asarray(window_of_patch, jnp.int32)
+    frame = jnp.asarray(patch_order // (grid[1] * grid[2]), jnp.int32)
+    windowed, full = window[:, None] == window[None, :], frame[:, None] == frame[None, :]
     for i in range(spec.depth):
         mask = full if i in spec.fullatt_block_indexes else windowed
         x = block(p, spec, i, x, (cos, sin), mask)

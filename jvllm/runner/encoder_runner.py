@@ -1,14 +1,15 @@
 """The vision encoder's side of the runner: each image encoded once, and a step's
 image embeddings laid out over its tokens.
 
-Owns the jitted encoder program (one per image shape: a processor resizes every image
-to one size, so one program), the cache of its outputs by image content hash, and
-`step_inputs`: the `[T, H]` embeddings and `[T]` mask that the step's forward merges
-into its input embeddings, and for an M-RoPE model (Qwen2.5-VL) the step's `[3, T]`
-rotary positions. A row covering part of an image (a chunked prefill, or a
-prefix-cache hit that ends inside one) takes the matching slice of its embeddings.
-Not owned: the encoder's computation (`models/llava.py`) or which images a step covers
-(the engine's `SchedulerOutput.mm_features`).
+Owns the jitted encoder program (one per image shape: LLaVA's processor resizes every
+image to one size, so one program; Qwen2.5-VL's keeps the aspect, one per patch grid),
+the cache of its outputs by image content hash, and `step_inputs`: the `[T, H]`
+embeddings and `[T]` mask that the step's forward merges into its input embeddings,
+and for an M-RoPE model (Qwen2.5-VL) the step's `[3, T]` rotary positions. A row
+covering part of an image (a chunked prefill, or a prefix-cache hit that ends inside
+one) takes the matching slice of its embeddings and positions. Not owned: the
+encoder's computation (`models/llava.py`, `models/qwen2_5_vl.py`) or which images a
+step covers (the engine's `SchedulerOutput.mm_features`).
 """
 
 from __future__ import annotations
