@@ -163,3 +163,22 @@ def test_bad_image_input_is_a_clear_error(llm: LLM):
     with pytest.raises(ValueError, match="does not fit its images"):
         llm.generate([{"prompt": "w5 w6", "multi_modal_data": {"image": _image(0)}}], params)
     assert generate(llm, f"w5 {IMG} w6", [_image(3)])  # the engine keeps serving
+
+
+def test_chat_with_image_parts_equals_transformers(llm: LLM, hf):
+    image = _image(7)
+    parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w8 w9"}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    template = [{"role": "user", "content": [{"type": "image"}, parts[1]]}]
+    text = hf[1].tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, text, [image])
+
+
+def test_a_draft_model_is_refused(llm: LLM):
+    """Draft models and speculator heads take 1-D rotary positions: n-gram only."""
+    from jvllm.runner.drafter import make_drafter
+
+    loaded = llm.engine.runner.model
+    with pytest.raises(ValueError, match="n-gram speculation only"):
+        make_drafter(loaded, loaded, 2, 16)
