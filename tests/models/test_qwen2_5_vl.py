@@ -74,26 +74,25 @@ def generate(llm: LLM, text: str, images: list[Image.Image]) -> list[int]:
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_vision_tower_equals_transformers_image_features(qwen_dir: Path, hf):
-    """The encoder program alone: window attention (a 5 x 3 token grid cut into 2 x 2
-    windows, the last row and column padded), full-attention blocks, rotary, merger."""
-    import jax.numpy as jnp
+def test_vision_tower_equals_transformers_image_features(llm: LLM, hf):
+    """The runner's encoder program on the processor's patches of one image: window
+    attention (a 5 x 3 token grid cut into 2 x 2 windows, the last row and column
+    padded), full-attention blocks, rotary, merger."""
     import torch
 
-    from jvllm.models.qwen2_5_vl import load_vision
-
-    model, _ = hf
-    inputs = hf_inputs(hf, IMG, [_image(4)])
+    image = _image(4)
+    inputs = hf_inputs(hf, IMG, [image])
     with torch.no_grad():
-        want = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
-    vision, params = load_vision(qwen_dir, model.config.to_dict(), jnp.float32)
-    first = 0
-    for grid, expected in zip(inputs["image_grid_thw"].tolist(), want.pooler_output, strict=True):
-        n = int(np.prod(grid))
-        patches = inputs["pixel_values"][first : first + n].numpy()[None]
-        first += n
-        got = np.asarray(vision.encode(params, patches, tuple(grid)))[0]
-        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-4, atol=1e-4)
+        (want,) = (
+            hf[0]
+            .model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+            .pooler_output
+        )
+    prompt = {"prompt": IMG, "multi_modal_data": {"image": [image]}}
+    _, _, (feature,) = llm.engine.mm_processor.process(prompt)
+    assert feature.token_grid == (1, 3, 5)
+    got = llm.engine.runner.encoder.embeddings(feature)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_mrope_positions_equal_get_rope_index(llm: LLM, hf):
