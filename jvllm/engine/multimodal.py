@@ -3,12 +3,13 @@ which of them a step's rows cover.
 
 Owns turning vLLM's `{"prompt": ..., "multi_modal_data": {"image": ...}}` into token ids
 with each image's placeholder tokens expanded as the checkpoint's own `AutoProcessor`
-expands them, and one `MultiModalFeature` per image (its placeholder span, its pixels
-and a hash of them); `limit_mm_per_prompt`; decoding `data:` image URLs
-(`load_image_url`); the extra keys a prefix-cache block covering image tokens is hashed
-and verified with (`block_mm_keys`), so the same text with another image shares no
-block past the first image; and `with_mm_features`, the images a step's rows cover.
-Not owned: the encoder and the merge into the embeddings (the runner's).
+expands them (Qwen2.5-VL: `engine/qwen_vl_processor.py`), and one `MultiModalFeature`
+per image (its placeholder span, its pixels, a hash of them, Qwen2.5-VL's token grid);
+`limit_mm_per_prompt`; decoding `data:` image URLs (`load_image_url`); the extra keys a
+prefix-cache block covering image tokens is hashed and verified with (`block_mm_keys`),
+so the same text with another image shares no block past the first image; and
+`with_mm_features`, the images a step's rows cover (for M-RoPE, every image before each
+row's end). Not owned: the encoder and the merge into the embeddings (the runner's).
 """
 
 from __future__ import annotations
