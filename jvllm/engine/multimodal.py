@@ -3,12 +3,13 @@ which of them a step's rows cover.
 
 Owns turning vLLM's `{"prompt": ..., "multi_modal_data": {"image": ...}}` into token ids
 with each image's placeholder tokens expanded as the checkpoint's own `AutoProcessor`
-expands them, and one `MultiModalFeature` per image (its placeholder span, its pixels
-and a hash of them); `limit_mm_per_prompt`; decoding `data:` image URLs
-(`load_image_url`); the extra keys a prefix-cache block covering image tokens is hashed
-and verified with (`block_mm_keys`), so the same text with another image shares no
-block past the first image; and `with_mm_features`, the images a step's rows cover.
-Not owned: the encoder and the merge into the embeddings (the runner's).
+expands them (Qwen2.5-VL: `engine/qwen_vl_processor.py`), and one `MultiModalFeature`
+per image (its placeholder span, its pixels, a hash of them, Qwen2.5-VL's token grid);
+`limit_mm_per_prompt`; decoding `data:` image URLs (`load_image_url`); the extra keys a
+prefix-cache block covering image tokens is hashed and verified with (`block_mm_keys`),
+so the same text with another image shares no block past the first image; and
+`with_mm_features`, the images a step's rows cover (for M-RoPE, every image before each
+row's end). Not owned: the encoder and the merge into the embeddings (the runner's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from jvllm.engine.qwen_vl_processor import QwenVLProcessor, is_qwen_vl
 from jvllm.engine.request import Request
 from jvllm.engine.step_io import MultiModalFeature, SchedulerOutput
 from jvllm.engine.validation import InvalidRequestError
@@ -136,7 +138,11 @@ class MultiModalProcessor:
                 f"limit_mm_per_prompt must map 'image' to a count >= 0, got {limits!r}"
             )
         self.max_images = limits.get("image")
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        # Qwen2.5-VL's own processor needs torchvision (its video part): its parts instead.
+        qwen = is_qwen_vl(model_dir)
+        self.processor = (
+            QwenVLProcessor(model_dir) if qwen else AutoProcessor.from_pretrained(model_dir)
+        )
         tok = self.processor.tokenizer
         self.image_token_id = int(tok.convert_tokens_to_ids(self.processor.image_token))
 
@@ -176,12 +182,31 @@ class MultiModalProcessor:
                 f"({self.processor.image_token!r}) for {len(pil)} images",
                 "prompt",
             )
+        if "image_grid_thw" in out:
+            return text, ids, _grid_features(out, runs, self.processor.merge_size)
         pixels = out["pixel_values"] if pil else np.zeros((0,), np.float32)
         features = tuple(
             MultiModalFeature(_image_hash(pixels[i]), offset, length, pixels[i : i + 1])
             for i, (offset, length) in enumerate(runs)
         )
         return text, ids, features
+
+
+def _grid_features(
+    out: dict[str, np.ndarray], runs: list[tuple[int, int]], merge: int
+) -> tuple[MultiModalFeature, ...]:
+    """Images of any size (Qwen2.5-VL): image i's patches are the next t * h * w rows
+    of `pixel_values` `[P, D]`, its tokens a (t, h / merge, w / merge) grid."""
+    features = []
+    first = 0
+    for (offset, length), (t, h, w) in zip(runs, out["image_grid_thw"].tolist(), strict=True):
+        patches = out["pixel_values"][first : first + t * h * w][None]  # [1, P_i, D]
+        first += t * h * w
+        grid = (t, h // merge, w // merge)
+        assert length == t * h * w // merge**2, (length, grid)
+        ident = _image_hash(patches) + "".join(f"{g:04x}" for g in grid)
+        features.append(MultiModalFeature(ident, offset, length, patches, grid))
+    return tuple(features)
 
 
 def media_domains(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -264,7 +289,9 @@ def block_mm_keys(request: Request, start: int, stop: int) -> list[int]:
 
 
 def with_mm_features(sched: SchedulerOutput, running: Iterable[Request]) -> SchedulerOutput:
-    """`sched` with the images each row's new tokens cover (`mm_features`)."""
+    """`sched` with the images each row's new tokens cover (`mm_features`); for an
+    M-RoPE model (images with a token grid), every image before the row's end, whose
+    sizes shift the row's positions."""
     by_id = {r.request_id: r for r in running if r.mm_features}
     covered: dict[str, tuple[MultiModalFeature, ...]] = {}
     for row in sched.scheduled:
@@ -272,7 +299,12 @@ def with_mm_features(sched: SchedulerOutput, running: Iterable[Request]) -> Sche
         if request is None:
             continue
         lo, hi = row.start_position, row.start_position + len(row.token_ids)
-        hit = tuple(f for f in request.mm_features if f.offset < hi and lo < f.offset + f.length)
+        if request.mm_features[0].token_grid is not None:  # M-RoPE: every image before hi
+            hit = tuple(f for f in request.mm_features if f.offset < hi)
+        else:
+            hit = tuple(
+                f for f in request.mm_features if f.offset < hi and lo < f.offset + f.length
+            )
         if hit:
             covered[row.request_id] = hit
     return dataclasses.replace(sched, mm_features=covered) if covered else sched

@@ -65,7 +65,10 @@ class MultiModalFeature(NamedTuple):
     identifier: str  # hex digest of the processed pixels
     offset: int  # the position of its first placeholder token
     length: int  # its placeholder tokens: the embeddings the encoder gives it
-    pixel_values: np.ndarray  # [1, 3, H, W] float32
+    pixel_values: np.ndarray  # [1, 3, H, W] float32 (Qwen2.5-VL: [1, P, C * tps * patch^2])
+    # Qwen2.5-VL: the image's tokens as a (t, h, w) grid after patch merging (M-RoPE's
+    # positions, the encoder's program); None for a fixed-size image (LLaVA).
+    token_grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from jvllm.models.quantization import (
     quantize,
     with_fp8_matmul,
 )
+from jvllm.models.qwen2_5_vl import vision_for as qwen_vision_for
 from jvllm.models.registry import model_class, read_spec
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, hf_name
@@ -215,6 +216,7 @@ def load_model(
     else:
         params = read_params(model_dir, abstract, spec, mesh, offloaded=offloaded)
     vision = vision_for(model_dir, spec, hf_config, target, mesh)
+    vision = vision or qwen_vision_for(model_dir, spec, hf_config, target, mesh)
     return LoadedModel(built_spec, module, params, target, hf_config, num_offloaded, vision)
 
 

@@ -14,6 +14,7 @@ from jvllm.models.gemma import GemmaForCausalLM, gemma_spec
 from jvllm.models.gpt_oss import GptOssForCausalLM, gpt_oss_spec
 from jvllm.models.llama import CausalLM
 from jvllm.models.llava import LlavaForConditionalGeneration, llava_spec
+from jvllm.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_spec
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -30,6 +31,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
 }
@@ -40,6 +42,7 @@ _SPEC_READERS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
     "Gemma3ForCausalLM": gemma_spec,
     "GptOssForCausalLM": gpt_oss_spec,
     "LlavaForConditionalGeneration": llava_spec,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl_spec,
     "DeepseekV2ForCausalLM": deepseek_spec,
     "DeepseekV3ForCausalLM": deepseek_spec,
 }

@@ -274,6 +274,11 @@ def make_drafter(
 
     if draft is None:
         return None
+    if getattr(target.spec.variant, "mrope_section", None):  # its rotary rows: [3, T]
+        raise ValueError(
+            f"{target.spec.architecture} (M-RoPE) takes n-gram speculation only, not a "
+            "draft model or a speculator head"
+        )
     heads = {Eagle3Head: Eagle3Drafter, EagleHead: EagleDrafter, DeepseekMTP: MTPDrafter}
     for kind, cls in heads.items():
         if isinstance(draft.module, kind):

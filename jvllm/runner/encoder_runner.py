@@ -1,13 +1,15 @@
 """The vision encoder's side of the runner: each image encoded once, and a step's
 image embeddings laid out over its tokens.
 
-Owns the jitted encoder program (one per image shape: a processor resizes every image
-to one size, so one program), the cache of its outputs by image content hash, and
-`step_inputs`: the `[T, H]` embeddings and `[T]` mask that the step's forward merges
-into its input embeddings. A row covering part of an image (a chunked prefill, or a
-prefix-cache hit that ends inside one) takes the matching slice of its embeddings.
-Not owned: the encoder's computation (`models/llava.py`) or which images a step covers
-(the engine's `SchedulerOutput.mm_features`).
+Owns the jitted encoder program (one per image shape: LLaVA's processor resizes every
+image to one size, so one program; Qwen2.5-VL's keeps the aspect, one per patch grid),
+the cache of its outputs by image content hash, and `step_inputs`: the `[T, H]`
+embeddings and `[T]` mask that the step's forward merges into its input embeddings,
+and for an M-RoPE model (Qwen2.5-VL) the step's `[3, T]` rotary positions. A row
+covering part of an image (a chunked prefill, or a prefix-cache hit that ends inside
+one) takes the matching slice of its embeddings and positions. Not owned: the
+encoder's computation (`models/llava.py`, `models/qwen2_5_vl.py`) or which images a
+step covers (the engine's `SchedulerOutput.mm_features`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ class EncoderRunner:
     def __init__(self, vision: Any, params: dict[str, Any]) -> None:
         self.vision = vision
         self.params = params
-        self._encode = jax.jit(vision.encode)
+        # Qwen2.5-VL's tower: one program per patch grid (a static argument).
+        self._encode = jax.jit(
+            vision.encode, static_argnames=getattr(vision, "static_argnames", ())
+        )
+        self.mrope = hasattr(vision, "mrope_positions")  # 3-row rotary positions (M-RoPE)
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()  # hash -> [L, H] float32
         self.num_encoded = 0  # images run through the encoder
 
@@ -40,7 +46,12 @@ class EncoderRunner:
             self.cache.move_to_end(feature.identifier)
             return cached
         # A sync: the step that first covers the image waits for its embeddings.
-        out = np.asarray(self._encode(self.params, feature.pixel_values), np.float32)[0]
+        grid = (
+            {}
+            if feature.token_grid is None
+            else {"grid": self.vision.encoder_grid(feature.token_grid)}
+        )
+        out = np.asarray(self._encode(self.params, feature.pixel_values, **grid), np.float32)[0]
         if out.shape[0] != feature.length:
             raise ValueError(
                 f"image {feature.identifier[:12]} has {feature.length} placeholder tokens, "
@@ -79,14 +90,43 @@ class EncoderRunner:
             offset += n
         return None if embeds is None else (embeds, mask)
 
+    def mrope_positions(
+        self,
+        rows: Sequence[Any],
+        features: Mapping[str, Sequence[MultiModalFeature]],
+        num_tokens: int,
+    ) -> np.ndarray:
+        """`[3, T]` int32 M-RoPE positions of the step's rows: a row without images
+        its 1-D positions thrice, a row of a request with images sliced from the
+        request's (`mrope_positions` of the model); padding 0."""
+        out = np.zeros((3, num_tokens), np.int32)
+        offset = 0
+        for row in rows:
+            start, n = row.start_position, len(row.token_ids)
+            mine = features.get(getattr(row, "request_id", ""), ())
+            if mine:
+                out[:, offset : offset + n] = self.vision.mrope_positions(mine, start, n)
+            else:
+                out[:, offset : offset + n] = np.arange(start, start + n)
+            offset += n
+        return out
+
 
 def step_inputs(
     encoder: EncoderRunner | None,
     rows: Sequence[Any],
     features: Mapping[str, Sequence[MultiModalFeature]] | None,
     num_tokens: int,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """`encoder.step_inputs` for a step with images; None for a text-only step (or model)."""
-    if encoder is None or not features:
+) -> dict[str, Any] | None:
+    """The forward's extra inputs of a vision-language step: `mm_inputs` (image
+    embeddings and mask) when a row holds image tokens, and for an M-RoPE model always
+    `mrope_positions` `[3, T]`; None for a text-only model or step."""
+    if encoder is None:
         return None
-    return encoder.step_inputs(rows, features, num_tokens)
+    extra: dict[str, Any] = {}
+    if encoder.mrope:
+        extra["mrope_positions"] = encoder.mrope_positions(rows, features or {}, num_tokens)
+    mm = encoder.step_inputs(rows, features, num_tokens) if features else None
+    if mm is not None:
+        extra["mm_inputs"] = mm
+    return extra or None

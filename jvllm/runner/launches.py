@@ -60,9 +60,9 @@ class Launches:
         self.publisher.publish(StepMessage(op, statics, present))
 
     def _launch_forward(
-        self, packed: np.ndarray, shape: BatchShape, mm: tuple[np.ndarray, ...] | None = None
+        self, packed: np.ndarray, shape: BatchShape, mm: dict[str, Any] | None = None
     ) -> None:
-        """`mm`: image embeddings `[T, H]` and their mask `[T]` (a vision-language step)."""
+        """`mm`: a vision-language step's extra inputs (`encoder_runner.step_inputs`)."""
         if self.publisher is not None:
             self._publish("forward", dataclasses.asdict(shape), packed=packed)
         draft_params = self.drafter.model.params if self.drafter is not None else None
@@ -75,7 +75,7 @@ class Launches:
             draft_params=draft_params,
             logits_buffer=self.logits_buffer,
             **({} if self.lora is None else {"lora_weights": self.lora.weights}),
-            **({} if mm is None else {"mm_inputs": self._put(mm)}),
+            **{name: self._put(value) for name, value in (mm or {}).items()},
         )
         if self.logits_buffer is not None:
             self.logits_buffer = logits

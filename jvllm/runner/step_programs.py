@@ -94,12 +94,14 @@ class StepPrograms:
         logits_buffer: jax.Array | None = None,
         lora_weights: LoRAWeights | None = None,
         mm_inputs: tuple[jax.Array, jax.Array] | None = None,
+        mrope_positions: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, list[KVCache], jax.Array, jax.Array | None]:
         """Logits `[S, V]` (with `group_rows`: `[max_rows, V]` float32, written over
         `logits_buffer` when given, which the caller donates, else over zeros), the
         hidden states, the caches, the last input tokens and the features an EAGLE or Medusa
         head reads. `lora_weights`: the device's LoRA slots, each token's slot in `packed`.
-        `mm_inputs`: image embeddings `[T, H]` and mask `[T]`, merged at the image tokens."""
+        `mm_inputs`: image embeddings `[T, H]` and mask `[T]`, merged at the image tokens;
+        `mrope_positions`: an M-RoPE model's `[3, T]` rotary positions."""
         params = self.bring_in(params)
         module = self.model.module
         split = self.num_target_layers
@@ -109,6 +111,8 @@ class StepPrograms:
             )
         else:
             inp = unpack(packed, shape, last_sampled)
+            if mrope_positions is not None:  # rotary only: slots were computed on the host
+                inp = dataclasses.replace(inp, positions=mrope_positions)
             adapters = contextlib.nullcontext()
             if lora_weights is not None:
                 adapters = applying_lora(lora_weights, inp.lora_slots)

@@ -63,7 +63,11 @@ def tiny_specs(dirs: list[Path]) -> dict[str, ModelSpec]:
 # `--mla-buckets` picks them).
 # "stacks": Gemma-2-9B- and gpt-oss-20b-shaped stacks of 4 layers at one small bucket
 # (about 20 s each; the DeepSeek-V3-shaped one is "mla").
-SECTIONS = ("8b", "tiny", "tp", "bad", "variants", "moe", "mla", "mla-kernel", "stacks")
+# "qwen-vision": a Qwen2.5-VL-7B-shaped vision tower for one 448x448 image (about 7 s).
+SECTIONS = (
+    *("8b", "tiny", "tp", "bad", "variants", "moe", "mla", "mla-kernel", "stacks"),
+    "qwen-vision",
+)
 
 # Attention of other models' shapes, the Triton kernel alone at their per-layer options:
 # (query heads, KV heads, head dim) and the options of their layers.
@@ -134,6 +138,10 @@ def run(target: Target, sections: list[str], args: argparse.Namespace) -> dict[s
         report["mla_kernel"] = check_mla_decode_kernel(target)
     if "stacks" in sections:
         report["stacks"] = [check_variant_stack(name, target, STACK_BUCKET) for name in STACKS]
+    if "qwen-vision" in sections:  # window attention, 2-D rotary, patch merger
+        from jvllm.testing.deviceless_vision import QWEN2_5_VL_7B, check_qwen_vision_tower
+
+        report["qwen_vision"] = check_qwen_vision_tower(QWEN2_5_VL_7B, target, (448, 448))
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["target"] = dict(memory_bytes=target.memory_bytes, shared_limit=target.shared_limit)
     report["utilization"] = UTILIZATION

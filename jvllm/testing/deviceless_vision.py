@@ -1,10 +1,11 @@
-"""The deviceless check of a vision tower: LLaVA's encoder compiled for an NVIDIA H200
-without a GPU.
+"""The deviceless check of the vision towers: LLaVA's and Qwen2.5-VL's encoders compiled
+for an NVIDIA H200 without a GPU.
 
 Owns building the vision side's abstract parameters from a LLaVA config (no checkpoint:
 `ShapeDtypeStruct`s on a compile-only device, as `jvllm.testing.deviceless` places a
 language model's) and compiling the runner's encoder program (`LlavaVision.encode`) for
-a batch of images, reporting its memory as XLA:GPU states it. Not owned:
+a batch of images, reporting its memory as XLA:GPU states it; the same for a
+Qwen2.5-VL-7B-shaped tower (`QwenVision.encode`, one image of a given size). Not owned:
 the language model's programs (`jvllm.testing.deviceless`). Needs the CUDA PJRT plugin
 (tests/gpu_compile installs it).
 
@@ -14,6 +15,7 @@ the language model's programs (`jvllm.testing.deviceless`). Needs the CUDA PJRT 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -25,6 +27,8 @@ import jax.numpy as jnp
 
 from jvllm.models.clip_vision import CLIPVisionSpec
 from jvllm.models.llava import LlavaVision
+from jvllm.models.qwen2_5_vl import QwenVision
+from jvllm.models.qwen_vision import QwenVisionSpec
 from jvllm.testing.deviceless import Target
 
 # LLaVA-1.5-7B's: CLIP ViT-L/14 at 336 pixels (576 image tokens), a 4096-wide Llama.
@@ -119,17 +123,93 @@ def check_vision_tower(
     }
 
 
+# Qwen2.5-VL-7B's tower: 32 blocks of width 1280, windows of 112 pixels, 3584 out.
+QWEN2_5_VL_7B = QwenVisionSpec(
+    hidden_size=1280,
+    num_heads=16,
+    depth=32,
+    intermediate_size=3420,
+    patch_size=14,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    out_hidden_size=3584,
+)
+
+
+def qwen_vision_shapes(s: QwenVisionSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tower, by the names `qwen2_5_vl.load_vision` gives."""
+    d, inner, p = s.hidden_size, s.intermediate_size, s.patch_size
+    merged = d * s.merge_unit
+    shapes = {"patch_embed.proj.weight": (d, s.in_channels, s.temporal_patch_size, p, p)}
+    for i in range(s.depth):
+        pre = f"blocks.{i}"
+        shapes |= {f"{pre}.norm1.weight": (d,), f"{pre}.norm2.weight": (d,)}
+        shapes |= {f"{pre}.attn.qkv.weight": (3 * d, d), f"{pre}.attn.qkv.bias": (3 * d,)}
+        shapes |= {f"{pre}.attn.proj.weight": (d, d), f"{pre}.attn.proj.bias": (d,)}
+        for m in ("gate_proj", "up_proj"):
+            shapes |= {f"{pre}.mlp.{m}.weight": (inner, d), f"{pre}.mlp.{m}.bias": (inner,)}
+        shapes |= {f"{pre}.mlp.down_proj.weight": (d, inner), f"{pre}.mlp.down_proj.bias": (d,)}
+    shapes |= {"merger.ln_q.weight": (d,), "merger.mlp.0.weight": (merged, merged)}
+    shapes |= {"merger.mlp.0.bias": (merged,), "merger.mlp.2.bias": (s.out_hidden_size,)}
+    return shapes | {"merger.mlp.2.weight": (s.out_hidden_size, merged)}
+
+
+def check_qwen_vision_tower(
+    spec: QwenVisionSpec, target: Target, size: tuple[int, int], dtype: Any = jnp.bfloat16
+) -> dict[str, Any]:
+    """The encoder program of one `size` (height, width) image, compiled for one device
+    of `target` (size a multiple of patch * merge): its memory."""
+    sharding = jax.sharding.SingleDeviceSharding(target.devices()[0])
+    params = {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for k, shape in qwen_vision_shapes(spec).items()
+    }
+    grid = (1, size[0] // spec.patch_size, size[1] // spec.patch_size)
+    width = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
+    pixels = jax.ShapeDtypeStruct((1, grid[1] * grid[2], width), jnp.float32, sharding=sharding)
+    vision = QwenVision(spec, jnp.dtype(dtype))
+    compiled = jax.jit(vision.encode, static_argnames="grid").lower(params, pixels, grid).compile()
+    memory = compiled.memory_analysis()
+    out = jax.eval_shape(functools.partial(vision.encode, grid=grid), params, pixels)
+    return {
+        "program": "vision_encode",
+        "image_size": list(size),
+        "patch_grid": list(grid),
+        "dtype": jnp.dtype(dtype).name,
+        "output_shape": list(out.shape),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+    }
+
+
+def _rows(check: Any, cases: tuple, key: str) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases:
+        try:
+            rows.append(check(case))
+        except jax.errors.JaxRuntimeError as e:  # an XLA:GPU compile failure is a finding
+            rows.append({"program": "vision_encode", key: case, "error": str(e)[:400]})
+    return rows
+
+
 def main(argv: list[str]) -> None:
     target = Target.read(Path(argv[0]))
-    rows = []
-    for n in (1, 2, 8):
-        try:
-            rows.append(check_vision_tower(LLAVA_7B, target, n))
-        except jax.errors.JaxRuntimeError as e:  # an XLA:GPU compile failure is a finding
-            rows.append({"program": "vision_encode", "num_images": n, "error": str(e)[:400]})
-    report = {"llava_1_5_7b_vision": rows, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    rows = _rows(lambda n: check_vision_tower(LLAVA_7B, target, n), (1, 2, 8), "num_images")
+    qwen = _rows(
+        lambda hw: check_qwen_vision_tower(QWEN2_5_VL_7B, target, hw),
+        ((448, 448), (812, 476)),
+        "image_size",
+    )
+    report = {
+        "llava_1_5_7b_vision": rows,
+        "qwen2_5_vl_7b_vision": qwen,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
     Path(argv[1]).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(rows, indent=2))
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

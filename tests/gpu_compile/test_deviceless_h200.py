@@ -33,7 +33,7 @@ REQUIREMENTS = (
 )
 EIGHT_B_BUCKETS = (16, 256, 2048)  # smallest, a middle one, the largest of 16..2048
 # The 8B alone takes about as long as the rest.
-PROCESSES = (("8b", "mla-kernel", "mla"), ("tiny", "tp", "bad", "moe", "stacks"))
+PROCESSES = (("8b", "mla-kernel", "mla"), ("tiny", "tp", "bad", "moe", "stacks", "qwen-vision"))
 MLA_BUCKETS = (16,)  # the DeepSeek-V3 stack at one bucket (~12 s; the CLI runs three)
 TIMEOUT_S = 600
 DTYPES = ("bfloat16", "float32")
@@ -88,7 +88,7 @@ def _merge(parts: list[dict]) -> dict:
         report["bad_launches"] |= part["bad_launches"]
     report["seconds"] = max(p["seconds"] for p in parts)
     kept = ("throughput_8b_kv", "fp8_matmul", "sizing_half", "unlimited_forward", "moe")
-    kept += ("stacks", "mla_kernel", "mla")
+    kept += ("stacks", "mla_kernel", "mla", "qwen_vision")
     return report | {k: v for p in parts for k, v in p.items() if k in kept}
 
 
@@ -328,3 +328,14 @@ def test_deepseek_v3_stack_compiles_with_the_mla_kernel(report):
     assert forward["num_tokens"] == MLA_BUCKETS[0] and forward["temp_bytes"] > 0
     assert {"mla_decode_kernel", "grouped_matmul_kernel"} <= set(forward["triton_kernels"])
     assert mla["kv_block_bytes"] * 256 == mla["per_head_block_bytes"] * 3
+
+
+def test_qwen2_5_vl_vision_tower_compiles(report):
+    """A Qwen2.5-VL-7B-shaped tower (32 blocks of 1280, windows of 112 pixels, full
+    attention at 7/15/23/31) for one 448x448 image: 32 x 32 patches merged to 256
+    embeddings of 3584; its arguments are the bf16 weights and the patches."""
+    qwen = report["qwen_vision"]
+    assert qwen["output_shape"] == [1, 256, 3584] and qwen["patch_grid"] == [1, 32, 32]
+    weights = 2 * (1280 * 1176 + 32 * (4 * 1280**2 + 3 * 1280 * 3420) + 5120**2 + 5120 * 3584)
+    assert weights < qwen["argument_bytes"] < weights * 1.02
+    assert 0 < qwen["temp_bytes"] < 2**30

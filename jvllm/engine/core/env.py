@@ -43,7 +43,9 @@ def multiprocessing_enabled(default: bool) -> bool:
 
 # Models whose requests carry images: the engine-core messages carry token ids only, so
 # these are served by the in-process engine.
-MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES = frozenset(
+    {"LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
 
 
 def takes_images(model: str | os.PathLike[str] | None) -> bool:
