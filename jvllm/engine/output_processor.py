@@ -55,6 +55,9 @@ class OutputProcessor:
         drafts_every_row: bool,
     ) -> None:
         self.tokenizer = tokenizer
+        # False in an engine core whose front end detokenizes (`engine/core/core.py`):
+        # its sequences then carry token ids only (no text, no stop strings).
+        self.detokenize = True
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.speculates = speculates  # rows of sequences without a grammar draft
@@ -85,6 +88,11 @@ class OutputProcessor:
         self.num_masked += sign * state.constraints.masks
         self.num_late += sign * state.constraints.needs_latest_token
         self.num_scoring += sign * (state.prompt_logprobs is not None)
+
+    @property
+    def sequence_tokenizer(self) -> Any:
+        """The tokenizer a new sequence detokenizes with (None: it does not)."""
+        return self.tokenizer if self.detokenize else None
 
     def abort(self, request_id: str) -> StepCommit:
         """Ends every sequence of a request; its last output is in the commit."""

@@ -4,10 +4,12 @@
 Owns the engine (`LLMEngine`: scheduler, KV manager, runner, and committing each step's
 tokens) inside the core process, and the loop that answers the front ends' messages
 (`messages.py`) one at a time: add a tokenized request, abort, step, a utility call.
+The engine stops sequences on EOS, stop token ids and lengths only, and reports token
+ids: detokenizing and stop strings are the front end's (`detokenizing.py`).
 Several front ends (`--api-server-count`) may share one core: each request's outputs go
 to the front end that added it, buffered until that front end next asks for a step.
-Tokenizing prompts, building RequestOutputs, the streams and HTTP are the front end's
-(`client.py`). The engine is built here, so the runner (and jax) is imported only once
+Tokenizing, detokenizing, building RequestOutputs, the streams and HTTP are the front
+end's (`client.py`). The engine is built here, so the runner (and jax) is imported only once
 this process runs: the module itself imports no jax.
 """
 
@@ -76,8 +78,12 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 class EngineCore:
     """Answers one front-end message at a time (`handle`); the process loop is `run`."""
 
-    def __init__(self, engine: Any, engine_index: int) -> None:
+    def __init__(self, engine: Any, engine_index: int, detokenize: bool = False) -> None:
+        """`detokenize` False (as vLLM's core): outputs carry token ids (and logprobs)
+        only, and no stop string ends a sequence here; the front end does both
+        (`detokenizing.py`) and aborts a request a stop string ended."""
         self.engine = engine
+        engine.output_processor.detokenize = detokenize
         self.engine_index = engine_index
         self._owner: dict[str, bytes] = {}  # request id -> the front end that added it
         self._pending: dict[bytes, list[m.WireOutput]] = defaultdict(list)
