@@ -47,7 +47,7 @@ def env(checkpoints):
         with HfRunner(path, dtype="float32") as hf:  # built while the server warms up
             expected = hf.generate_greedy(token_prompts, MAX_TOKENS)
         server.wait_ready()
-        yield SimpleNamespace(server=server, prompts=token_prompts, expected=expected)
+        yield SimpleNamespace(server=server, prompts=token_prompts, expected=expected, path=path)
     finally:
         server.stop()
 
@@ -87,6 +87,60 @@ def test_two_api_servers_and_two_engines_equal_transformers(env):
     log = env.server.log()
     for index in (0, 1):
         assert re.search(rf"ApiServer_{index} Received request", log), log[-4000:]
+
+
+def reference_text(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """The output's text as an incremental detokenizer gives it (the prompt's last five
+    tokens as context), by Transformers' decode."""
+    tail = prompt[-5:]
+    context = tokenizer.decode(tail, skip_special_tokens=True)
+    return tokenizer.decode(tail + output, skip_special_tokens=True)[len(context) :]
+
+
+def test_stop_strings_in_the_api_server_and_blocks_freed_in_the_core(env):
+    """The API server detokenizes and applies stop strings (the cores send token ids):
+    a stop string across a token boundary cuts the text of both choices (n = 2), kept
+    with include_stop_str_in_output when streamed, equal to Transformers' text; the
+    cores abort those requests at once (blocks freed, far fewer tokens than max_tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(env.path)
+    for prompt, sample in zip(env.prompts, env.expected, strict=True):
+        output = sample[0][len(prompt) :]
+        full = reference_text(tokenizer, prompt, output)
+        boundary = len(reference_text(tokenizer, prompt, output[:2]))
+        across = full[boundary - 2 : boundary + 1]
+        if len(across) == 3 and full.index(across) == boundary - 2:
+            break
+    else:
+        pytest.fail("no prompt's text has a stop string across its second token's end")
+    url, metric = env.server.url, "vllm:generation_tokens_total"
+    before = sum(engine_samples(url, metric).values())
+    extra = {"ignore_eos": True}
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        cut = client.completions.create(
+            model=model, prompt=prompt, max_tokens=200, n=2, temperature=0.0, stop=[across],
+            extra_body=extra,
+        )  # fmt: skip
+        chunks = client.completions.create(
+            model=model, prompt=prompt, max_tokens=200, temperature=0.0, stop=[across],
+            stream=True, extra_body={**extra, "include_stop_str_in_output": True},
+        )  # fmt: skip
+        streamed = [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks]
+    assert [(c.text, c.finish_reason) for c in cut.choices] == [(full[: boundary - 2], "stop")] * 2
+    assert "".join(text for text, _ in streamed) == full[: boundary + 1]
+    assert streamed[-1][1] == "stop"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        usage = engine_samples(url, "vllm:kv_cache_usage_perc")
+        running = engine_samples(url, "vllm:num_requests_running")
+        if set(usage) == {"0", "1"} and not any(usage.values()) and not any(running.values()):
+            break
+        time.sleep(0.1)
+    assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
+    # Three sequences ended after 3 tokens; the cores ran a step or two past the stop.
+    assert sum(engine_samples(url, metric).values()) - before < 30
 
 
 def test_abort_frees_every_engines_blocks(env):
