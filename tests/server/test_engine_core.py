@@ -9,6 +9,7 @@ core compiles its own programs."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -141,6 +142,80 @@ def test_stop_strings_in_the_api_server_and_blocks_freed_in_the_core(env):
     assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
     # Three sequences ended after 3 tokens; the cores ran a step or two past the stop.
     assert sum(engine_samples(url, metric).values()) - before < 30
+
+
+def served_by(server: ServerProcess, counts: dict[str, int]) -> str:
+    """The API server that logged a request since `counts` (each one's "Received
+    request" lines then), which this updates."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for index in counts:
+            seen = server.log().count(f"ApiServer_{index} Received request")
+            if seen > counts[index]:
+                counts[index] = seen
+                return index
+        time.sleep(0.02)
+    raise AssertionError("no API server logged the request")
+
+
+def test_api_servers_balance_on_the_coordinators_one_view(env):
+    """Long requests opened one after another, through both API servers, each go to an
+    engine that was least loaded (waiting * 4 + running) in the DP coordinator's table
+    just before, with requests of either API server running: every API server sees the
+    other's requests at once. (Steps are fast: a check counts only when no request
+    ended meanwhile.)"""
+    import zmq
+
+    from jvllm.engine.core.coordinator import LoadView
+
+    server = env.server
+    address = re.search(r"loads published on (\S+)", server.log()).group(1)
+    context = zmq.Context()
+    view = LoadView(context, address)
+    body = {"prompt": env.prompts[0], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    counts = {i: server.log().count(f"ApiServer_{i} Received request") for i in "01"}
+    checked = {"0": 0, "1": 0}  # by the API server that took the request
+    open_streams = []
+
+    def table(after: list[int] | None = None):
+        """The newest table once it shows a request added since `after` and none waits
+        (a settled view: the API servers see the same)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            latest = view.latest()
+            if latest is not None and None not in latest.engines:
+                added = [load.num_added for load in latest.engines]
+                settled = not any(load.waiting for load in latest.engines)
+                if settled and (after is None or sum(added) > sum(after)):
+                    return latest, added
+            time.sleep(0.005)
+        raise AssertionError("the coordinator published no new table")
+
+    try:
+        with contextlib.ExitStack() as streams:
+            for _ in range(40):
+                if min(checked.values()) >= 2:
+                    break
+                before, added = table()
+                client = streams.enter_context(httpx.Client(base_url=server.url, timeout=60))
+                response = streams.enter_context(
+                    client.stream("POST", "/v1/completions", json=body)
+                )
+                open_streams.append(response.iter_lines())  # kept: a closed one aborts
+                assert next(open_streams[-1]).startswith("data: ")
+                took = served_by(server, counts)
+                after, now = table(added)
+                running = [load.running for load in before.engines]
+                if not any(running) or sum(a.running for a in after.engines) <= sum(running):
+                    continue  # nothing to balance against, or a request ended meanwhile
+                loads = [load.waiting * 4 + load.running for load in before.engines]
+                chosen = [i for i in (0, 1) if now[i] > added[i]]
+                assert len(chosen) == 1 and loads[chosen[0]] == min(loads), (before, after)
+                checked[took] += 1
+    finally:
+        view.close()
+        context.term()
+    assert min(checked.values()) >= 2, checked
 
 
 def test_abort_frees_every_engines_blocks(env):

@@ -5,14 +5,15 @@ data-parallel load balancing).
 Owns, in the front end: tokenizing prompts and checking requests before they leave
 (`validation.py`, so a bad one is a 400 without a round trip), choosing a data-parallel
 engine core for each request (the least `waiting * 4 + running`, vLLM's coordinator's
-score), turning the cores' token ids into RequestOutputs (`detokenizing.py`: text, stop
-strings, cumulative or delta as the request asked) and aborting in its core a request
-that a stop string ended, the engine metrics of every core, utility calls (broadcast to
-every core), and noticing a dead core: the step that waits on it raises
-`EngineCoreDeadError` naming it, which `AsyncLLM` turns into a failure of every
-in-flight request. Every call runs on the one AsyncLLM engine thread, as `LLMEngine`'s
-would. Not owned: starting or stopping the core processes (`launcher.py`), the engine
-itself (`core.py`).
+score, by the DP coordinator's table of every core's load where several API servers
+share the cores: `coordinator.py`), turning the cores' token ids into RequestOutputs
+(`detokenizing.py`: text, stop strings, cumulative or delta as the request asked) and
+aborting in its core a request that a stop string ended, the engine metrics of every
+core, utility calls (broadcast to every core), and noticing a dead core: the step that
+waits on it raises `EngineCoreDeadError` naming it, which `AsyncLLM` turns into a
+failure of every in-flight request. Every call runs on the one AsyncLLM engine thread,
+as `LLMEngine`'s would. Not owned: starting or stopping the core processes
+(`launcher.py`), the engine itself (`core.py`).
 """
 
 from __future__ import annotations
@@ -55,16 +56,32 @@ class _Core:
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
     added: int = 0  # requests added since its last step reply (not yet in its metrics)
+    # With a DP coordinator: the core's load as every API server sees it, and this front
+    # end's adds (by the core's count) that it may not show yet.
+    shared: m.EngineLoad | None = None
+    own_adds: list[int] = field(default_factory=list)
 
     def load(self) -> int:
-        waiting = self.metrics.get("num_requests_waiting", 0) + self.added
-        return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
+        shared = self.shared
+        if shared is None:
+            waiting = self.metrics.get("num_requests_waiting", 0) + self.added
+            return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
+        unseen = sum(1 for n in self.own_adds if n > shared.num_added)
+        return (shared.waiting + unseen) * WAITING_WEIGHT + shared.running
 
 
 class EngineCoreClient:
     """`LLMEngine`'s methods, answered by engine cores at `addresses` (one per DP rank)."""
 
-    def __init__(self, addresses: list[str], pids: list[int], tokenizer: Any) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        pids: list[int],
+        tokenizer: Any,
+        loads_address: str | None = None,
+    ) -> None:
+        """`loads_address`: the DP coordinator's table of every core's load, which
+        balancing then uses (several API servers); else each core's metrics."""
         import zmq
 
         self._context = zmq.Context()
@@ -76,6 +93,11 @@ class EngineCoreClient:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             self.cores.append(_Core(index, pid, socket))
+        self._loads: Any = None
+        if loads_address is not None:
+            from jvllm.engine.core.coordinator import LoadView
+
+            self._loads = LoadView(self._context, loads_address)
         infos = [self._call(core, m.Hello(), m.EngineCoreInfo) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
             core.info, core.metrics = info, info.metrics
@@ -117,7 +139,7 @@ class EngineCoreClient:
         beam = isinstance(params, BeamSearchParams)
         if not beam:
             validate_request(text, ids, params, self.vocab_size, self.max_model_len)
-        core = min(self.cores, key=_Core.load)
+        core = self._least_loaded()
         add = m.AddRequest(request_id, text, ids, arrival_time, priority=priority)
         add.lora_request = lora_request
         if beam:
@@ -133,6 +155,19 @@ class EngineCoreClient:
         self._requests[request_id] = core
         core.requests.add(request_id)
         core.added += 1
+        if self._loads is not None:
+            core.own_adds.append(reply.num_added)
+
+    def _least_loaded(self) -> _Core:
+        """The core to add to: the least `waiting * 4 + running`, by the DP coordinator's
+        newest table where there is one."""
+        table = self._loads.latest() if self._loads is not None else None
+        if table is not None:
+            for core, load in zip(self.cores, table.engines, strict=True):
+                if load is not None:
+                    core.shared = load
+                    core.own_adds = [n for n in core.own_adds if n > load.num_added]
+        return min(self.cores, key=_Core.load)
 
     def abort_request(self, request_id: str) -> None:
         core = self._requests.pop(request_id, None)
@@ -219,6 +254,8 @@ class EngineCoreClient:
         return all(self.call_utility("reset_prefix_cache"))
 
     def close(self) -> None:
+        if self._loads is not None:
+            self._loads.close()
         for core in self.cores:
             core.socket.close()
         self._context.term()

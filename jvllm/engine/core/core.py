@@ -89,6 +89,8 @@ class EngineCore:
         self._pending: dict[bytes, list[m.WireOutput]] = defaultdict(list)
         self._ahead = False  # a step ran ahead of the next Step (prefetch)
         self._prefetch = False  # the last Step asked for one
+        self.num_added = 0  # requests taken (the DP coordinator's view tells them apart)
+        self._loads: Any = None  # a LoadPusher to the DP coordinator, when there is one
 
     def info(self) -> m.EngineCoreInfo:
         engine = self.engine
@@ -141,7 +143,8 @@ class EngineCore:
         except (ValueError, TypeError) as e:
             return m.AddReply(str(e))
         self._owner[add.request_id] = client
-        return m.AddReply()
+        self.num_added += 1
+        return m.AddReply(num_added=self.num_added)
 
     def step(self, client: bytes, prefetch: bool = False) -> m.StepReply:
         """Runs one engine step (unless one ran ahead) and hands `client` its outputs."""
@@ -182,16 +185,27 @@ class EngineCore:
             kind = next(k for k in type(e).__mro__ if k.__module__ == "builtins")
             return m.UtilityReply(error=str(e), error_type=kind.__name__)
 
-    def run(self, address: str) -> None:
+    def push_load(self) -> None:
+        """Tells the DP coordinator this core's load, if it changed."""
+        if self._loads is not None:
+            scheduler = self.engine.scheduler
+            self._loads.push(len(scheduler.waiting), len(scheduler.running), self.num_added)
+
+    def run(self, address: str, loads_address: str | None = None) -> None:
         """Serves front ends on `address` until told to shut down, or until the process
-        that started it (`launcher.py`) is gone."""
+        that started it (`launcher.py`) is gone; pushes its load to the DP coordinator
+        at `loads_address`, if given."""
         import zmq
+
+        from jvllm.engine.core.coordinator import LoadPusher
 
         parent = os.getppid()
         context = zmq.Context()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(address)
+        if loads_address is not None:
+            self._loads = LoadPusher(context, loads_address, self.engine_index)
         try:
             while True:
                 if not socket.poll(int(PARENT_CHECK_S * 1000)):
@@ -206,9 +220,13 @@ class EngineCore:
                 reply = self.handle(client.bytes, message)
                 if reply is not None:
                     socket.send_multipart([client, m.encode(reply)], copy=False)
+                self.push_load()
                 if isinstance(message, m.Step):
                     self.run_ahead()
+                    self.push_load()
         finally:
+            if self._loads is not None:
+                self._loads.close()
             socket.close()
             context.term()
 
@@ -241,9 +259,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_engine_core(engine_args: Any, engine_index: int, address: str, devices: str) -> None:
+def run_engine_core(
+    engine_args: Any,
+    engine_index: int,
+    address: str,
+    devices: str,
+    loads_address: str | None = None,
+) -> None:
     """The core process's entry (`launcher.py` starts it): build the engine on this
-    rank's devices, then serve. SIGINT is left to the parent, which stops the cores."""
+    rank's devices, then serve (pushing its load to the DP coordinator at
+    `loads_address`, if any). SIGINT is left to the parent, which stops the cores."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -254,4 +279,4 @@ def run_engine_core(engine_args: Any, engine_index: int, address: str, devices: 
     )
     engine = engine_args.create_engine()
     logger.info("engine core %d (pid %d) serving on %s", engine_index, os.getpid(), address)
-    EngineCore(engine, engine_index).run(address)
+    EngineCore(engine, engine_index).run(address, loads_address)
