@@ -109,6 +109,20 @@ class OutputProcessor:
             outputs.append(self._retire(group))
         return StepCommit(outputs, self._finished, [], [])
 
+    def abort_sequences(self, request_id: str, indices: Sequence[int]) -> StepCommit:
+        """Ends some of a request's sequences (n > 1: choices an engine core's front end
+        ended on a stop string); its last output is in the commit if that ended it."""
+        self._finished = []
+        group = self.requests.get(request_id)
+        outputs = []
+        if isinstance(group, SequenceGroup):
+            for state in group.children:
+                if state.index in indices and not state.finished:
+                    self._finish(state, RequestStatus.FINISHED_ABORTED)
+            if group.finished:
+                outputs.append(self._retire(group))
+        return StepCommit(outputs, self._finished, [], [])
+
     def forget_candidates(self, request_ids: Sequence[str]) -> None:
         """Preempted beams recompute and propose again."""
         for request_id in request_ids:

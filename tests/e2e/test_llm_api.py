@@ -262,10 +262,10 @@ def _in_process_outputs(engine, requests) -> dict:
     return outs
 
 
-def _outputs_through_core(engine, requests) -> tuple[dict, list[str]]:
+def _outputs_through_core(engine, requests) -> tuple[dict, list]:
     """The split's path without its processes: an `EngineCore` (token ids only) over the
-    module's engine, and the front end's output processor; the requests it aborted in
-    the core, each checked gone from the engine at once."""
+    module's engine, and the front end's output processor; the requests (and choices)
+    it aborted in the core, each checked gone from the engine at once."""
     import time
 
     from jvllm.engine.core import messages as m
@@ -278,18 +278,23 @@ def _outputs_through_core(engine, requests) -> tuple[dict, list[str]]:
     try:
         for rid, ids, params in requests:
             add = m.AddRequest(rid, None, ids, time.monotonic(), sampling_params=params)
-            assert core.handle(b"front", add) == m.AddReply()
+            assert core.handle(b"front", add).error is None
             front.add_request(rid, None, ids, params, None)
         while front.requests:
-            stopped = []
+            stopped, choices = [], {}
             for wire in core.step(b"front").outputs:
-                output, abort_in_core = front.process(wire)
+                output, abort_in_core, ended = front.process(wire)
                 outs[wire.request_id] += [output] if output is not None else []
                 stopped += [wire.request_id] if abort_in_core else []
-            if stopped:
-                core.handle(b"front", m.Abort(stopped))
+                choices |= {wire.request_id: ended} if ended else {}
+            if stopped or choices:
+                core.handle(b"front", m.Abort(stopped, choices))
                 assert not set(stopped) & set(engine.output_processor.requests)
-                aborted += stopped
+                scheduled = {r.request_id for r in [*engine.scheduler.running]}
+                scheduled |= {r.request_id for r in engine.scheduler.waiting}
+                ends = [(rid, i) for rid, indices in choices.items() for i in indices]
+                assert not {f"{rid}#{i}" for rid, i in ends} & scheduled
+                aborted += stopped + ends
         while engine.has_unfinished_requests():  # the abort's own trailing output
             engine.step()
     finally:
@@ -317,13 +322,19 @@ def test_engine_core_token_ids_detokenized_in_front_equal_in_process(llm):
     assert full.index(across) == boundary - 2
     early = one[:1]  # in the first token's text: with min_tokens=1 it stops only later
     later = full.find(early, len(one))
+    sampled = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=2)
+    pair = [c.text for c in llm.generate({"prompt_token_ids": ids}, sampled)[0].outputs]
+    # A stop string in the first choice's text only: it ends that choice alone.
+    pieces = [pair[0][i : i + 2] for i in range(len(pair[0]) - 1)]
+    alone = next(piece for piece in pieces if piece not in pair[1])
     delta = RequestOutputKind.DELTA
     requests = [
         ("cut", ids, greedy(max_tokens=12, stop=[across], ignore_eos=True)),
         ("kept", ids, greedy(max_tokens=12, stop=[across], include_stop_str_in_output=True)),
         ("cut-delta", ids, greedy(max_tokens=12, stop=[across], output_kind=delta)),
         ("min", ids, greedy(max_tokens=12, stop=[early], min_tokens=1, ignore_eos=True)),
-        ("n2", ids, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=2)),
+        ("n2", ids, sampled),
+        ("n2-stop", ids, sampled.clone(stop=[alone])),
         ("lp-delta", ids, greedy(max_tokens=6, logprobs=1, prompt_logprobs=1, output_kind=delta)),
     ]
     expected = _in_process_outputs(engine, requests)
@@ -341,6 +352,11 @@ def test_engine_core_token_ids_detokenized_in_front_equal_in_process(llm):
     position = got["lp-delta"][0].outputs[0].logprobs[0]
     assert all(lp.decoded_token == tok.decode([t]) for t, lp in position.items())
     assert got["lp-delta"][0].prompt_logprobs[1]
-    assert sorted(aborted) == ["cut", "cut-delta", "kept"] + (["min"] if later >= 0 else [])
+    assert sorted(map(str, aborted)) == sorted(
+        ["cut", "cut-delta", "kept", str(("n2-stop", 0))] + (["min"] if later >= 0 else [])
+    )
+    first, second = got["n2-stop"][-1].outputs
+    assert (first.finish_reason, first.stop_reason) == ("stop", alone)
+    assert second.finish_reason == "length"
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]

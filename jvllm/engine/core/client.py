@@ -196,19 +196,23 @@ class EngineCoreClient:
         outputs: list[RequestOutput] = []
         for core, reply in zip(cores, replies, strict=True):
             core.metrics, core.added = reply.metrics, 0
-            stopped = []  # ended here by a stop string: the core still runs them
+            # Requests and choices stop strings ended here: the core still runs them.
+            stopped, choices = [], {}
             for wire in reply.outputs:
-                output, abort_in_core = self.output_processor.process(wire)
+                output, abort_in_core, ended = self.output_processor.process(wire)
+                if abort_in_core:
+                    stopped.append(wire.request_id)
+                elif ended:
+                    choices[wire.request_id] = ended
                 if output is None:
                     continue
                 outputs.append(output)
                 if output.finished:
                     del self._requests[wire.request_id]
                     core.requests.discard(wire.request_id)
-                if abort_in_core:
-                    stopped.append(wire.request_id)
-            if stopped:  # the core frees their blocks now
-                core.metrics = self._call(core, m.Abort(stopped), m.UtilityReply).result
+            if stopped or choices:  # the core frees their blocks now
+                abort = m.Abort(stopped, choices)
+                core.metrics = self._call(core, abort, m.UtilityReply).result
         return outputs
 
     # -- metrics and utilities --

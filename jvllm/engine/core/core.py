@@ -122,11 +122,23 @@ class EngineCore:
             pending = self._pending.get(client)
             if pending:
                 pending[:] = [out for out in pending if out.request_id not in aborted]
+            for request_id, indices in message.choices.items():
+                if self._owner.get(request_id) == client:
+                    self._end_choices(request_id, indices)
             return m.UtilityReply(result=dict(self.engine.get_metrics()))
         if isinstance(message, m.UtilityCall):
             return self.call_utility(message)
         assert isinstance(message, m.Hello), message
         return self.info()
+
+    def _end_choices(self, request_id: str, indices: list[int]) -> None:
+        """Frees the sequences of choices its front end ended; the request's last output
+        goes out with the next step's if that ended it."""
+        engine = self.engine
+        commit = engine.output_processor.abort_sequences(request_id, indices)
+        engine._apply(commit)  # the scheduler frees their blocks
+        for output in commit.outputs:
+            self._pending[self._owner.pop(request_id)].append(_wire(output))
 
     def add_request(self, client: bytes, add: m.AddRequest) -> m.AddReply:
         params = add.beam_search_params

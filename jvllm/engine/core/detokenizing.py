@@ -6,8 +6,9 @@ the one the in-process engine uses), stop strings (include_stop_str_in_output, t
 cut at a match, none before min_tokens tokens, tokens after the stopping one dropped),
 the token texts of logprobs and prompt logprobs, and building outputs as the request
 asked: cumulative, deltas (text that could still start a stop string held back), or
-the finished output only. A request that a stop string ended here is still running in
-its core: `process` says so, and the client aborts it there (the core frees its blocks).
+the finished output only. A request (or with n > 1 a choice) that a stop string ended
+here is still running in its core: `process` says so, and the client aborts it there
+(the core frees its blocks).
 The engine core schedules, steps, and stops on EOS, stop token ids and lengths only
 (`OutputProcessor.detokenize` off). Beam searches arrive whole, their text decoded by
 the core, and pass through. Not owned: the sockets and routing (`client.py`).
@@ -28,7 +29,10 @@ from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingP
 
 class Processed(NamedTuple):
     output: RequestOutput | None  # for the request's reader (None: nothing to hand on)
-    abort_in_core: bool  # a stop string ended it here, while its core still runs it
+    abort_in_core: bool  # stop strings ended it here, while its core still runs it
+    # Choices a stop string ended here while others go on (n > 1), still running in
+    # the core: it may end their sequences.
+    ended_choices: list[int]
 
 
 class TokenTexts:
@@ -224,7 +228,7 @@ class FrontendOutputProcessor:
         must abort the request (every choice ended here, the core had not ended it)."""
         state = self.requests.get(wire.request_id)
         if state is None:
-            return Processed(None, False)  # aborted here since
+            return Processed(None, False, [])  # aborted here since
         if isinstance(state, _Beams):
             if wire.finished:
                 del self.requests[wire.request_id]
@@ -238,13 +242,17 @@ class FrontendOutputProcessor:
                 wire.num_cached_tokens,
                 lora_request=state.lora_request,
             )
-            return Processed(beams, False)
+            return Processed(beams, False, [])
         if wire.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = [self.texts.name(p) for p in wire.prompt_logprobs]
         state.num_cached_tokens = wire.num_cached_tokens
-        for delta in wire.outputs:
-            state.choices[delta.index].add(delta, self.texts)
-        output = state.output()
-        if output is not None and output.finished:
+        ended = [
+            delta.index
+            for delta in wire.outputs
+            if state.choices[delta.index].add(delta, self.texts) and delta.finish_reason is None
+        ]
+        output, finished = state.output(), state.finished
+        if finished:
             del self.requests[wire.request_id]
-        return Processed(output, output is not None and output.finished and not wire.finished)
+            return Processed(output, not wire.finished, [])
+        return Processed(output, False, ended)

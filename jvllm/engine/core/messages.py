@@ -39,7 +39,11 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 
 class Abort(msgspec.Struct, tag="abort"):
+    """Ends requests, or (`choices`) some sequences of a request: n > 1 choices that a
+    stop string ended in the front end while the others go on."""
+
     request_ids: list[str]
+    choices: dict[str, list[int]] = {}
 
 
 class Step(msgspec.Struct, tag="step"):
