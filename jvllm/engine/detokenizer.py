@@ -46,9 +46,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         stop: list[str],
         include_stop_str_in_output: bool,
+        min_tokens: int = 0,
     ) -> None:
         self._stop = stop
         self._include_stop = include_stop_str_in_output
+        # As vLLM: no stop string ends the output before min_tokens tokens (the first
+        # min_tokens appends decode without checking).
+        self._unchecked = min_tokens if stop else 0
         self.output_text = ""
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._backend = _stream_backend(tokenizer)
@@ -71,13 +75,16 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string it completed, if any."""
+        unchecked = self._unchecked
+        if unchecked:
+            self._unchecked = unchecked - 1
         if self._backend is not None:
             delta = self._stream.step(self._backend, token_id)
             if delta is None:
                 return None  # nothing printable yet (or a partial UTF-8 sequence)
             before = len(self.output_text)
             self.output_text += delta
-            return self._check_stop(before) if self._stop else None
+            return self._check_stop(before) if self._stop and not unchecked else None
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -86,7 +93,7 @@ class IncrementalDetokenizer:
         before = len(self.output_text)
         self.output_text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._check_stop(before)
+        return None if unchecked else self._check_stop(before)
 
     def _check_stop(self, before: int) -> str | None:
         for stop in self._stop:
@@ -96,4 +103,14 @@ class IncrementalDetokenizer:
                 end = idx + len(stop) if self._include_stop else idx
                 self.output_text = self.output_text[:end]
                 return stop
+        return None
+
+
+class TokenIdsOnly:
+    """In place of `IncrementalDetokenizer` where the front end detokenizes (an engine
+    core's, `engine/core/detokenizing.py`): no text, and so no stop string."""
+
+    output_text = ""
+
+    def append(self, token_id: int) -> None:
         return None

@@ -187,7 +187,7 @@ class LLMEngine:
                 request,
                 index,
                 seed,
-                self.tokenizer,
+                self.output_processor.sequence_tokenizer,
                 self.eos_token_ids,
                 max_outputs,
                 constraints(index),

@@ -55,6 +55,9 @@ class OutputProcessor:
         drafts_every_row: bool,
     ) -> None:
         self.tokenizer = tokenizer
+        # False in an engine core whose front end detokenizes (`engine/core/core.py`):
+        # its sequences then carry token ids only (no text, no stop strings).
+        self.detokenize = True
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.speculates = speculates  # rows of sequences without a grammar draft
@@ -86,6 +89,11 @@ class OutputProcessor:
         self.num_late += sign * state.constraints.needs_latest_token
         self.num_scoring += sign * (state.prompt_logprobs is not None)
 
+    @property
+    def sequence_tokenizer(self) -> Any:
+        """The tokenizer a new sequence detokenizes with (None: it does not)."""
+        return self.tokenizer if self.detokenize else None
+
     def abort(self, request_id: str) -> StepCommit:
         """Ends every sequence of a request; its last output is in the commit."""
         self._finished = []
@@ -99,6 +107,20 @@ class OutputProcessor:
                 if not state.finished:
                     self._finish(state, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._retire(group))
+        return StepCommit(outputs, self._finished, [], [])
+
+    def abort_sequences(self, request_id: str, indices: Sequence[int]) -> StepCommit:
+        """Ends some of a request's sequences (n > 1: choices an engine core's front end
+        ended on a stop string); its last output is in the commit if that ended it."""
+        self._finished = []
+        group = self.requests.get(request_id)
+        outputs = []
+        if isinstance(group, SequenceGroup):
+            for state in group.children:
+                if state.index in indices and not state.finished:
+                    self._finish(state, RequestStatus.FINISHED_ABORTED)
+            if group.finished:
+                outputs.append(self._retire(group))
         return StepCommit(outputs, self._finished, [], [])
 
     def forget_candidates(self, request_ids: Sequence[str]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder
+from jvllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decoder
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.step_io import SamplingRow, ScheduledRequest, StepResult
 from jvllm.engine.token_constraints import Constraints
@@ -42,13 +42,20 @@ class SequenceState:
         self.index = index
         self.seed = seed
         self.group: SequenceGroup | None = None  # set when its group adds it
-        self._decode_ids = decoder(tokenizer)
-        self.detok = IncrementalDetokenizer(
-            tokenizer,
-            request.prompt_token_ids,
-            params.skip_special_tokens,
-            params.stop_strings,
-            params.include_stop_str_in_output,
+        # No tokenizer: an engine core's sequence, which its front end detokenizes (no
+        # text, stop strings nor logprob token texts here).
+        self._decode_ids = decoder(tokenizer) if tokenizer is not None else _no_text
+        self.detok = (
+            IncrementalDetokenizer(
+                tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+                params.min_tokens,
+            )
+            if tokenizer is not None
+            else TokenIdsOnly()
         )
         self.cumulative_logprob = 0.0
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
@@ -206,7 +213,7 @@ class SequenceState:
             entry[token] = Logprob(logprob, None, self._decode(token))
         return {token: entry.pop(token), **entry}  # the chosen token first
 
-    def _decode(self, token: int) -> str:
+    def _decode(self, token: int) -> str | None:
         return self._decode_ids([token], False)
 
     def delta(self) -> CompletionOutput:
@@ -324,6 +331,10 @@ class SequenceGroup:
             None,  # metrics
             first.request.lora_request,
         )
+
+
+def _no_text(ids: list[int], skip_special_tokens: bool) -> None:
+    return None
 
 
 # Read once per request and step: module constants, not attributes of the enum class.

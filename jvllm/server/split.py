@@ -9,7 +9,8 @@ that declares the engine dead as soon as any core exits (in-flight requests fail
 death), and the drain on SIGTERM: front ends finish their requests, then the cores
 stop, exit 0. With `--api-server-count N > 1` this process only supervises: N front-end
 processes listen on one port (SO_REUSEPORT; the kernel spreads connections) and each
-talks to every core. What a front end serves is `launch.serve_frontend`'s.
+talks to every core; with several cores too, it runs the DP coordinator that gives the
+front ends one view of the cores' loads. What a front end serves is `launch.serve_frontend`'s.
 """
 
 from __future__ import annotations
@@ -68,22 +69,39 @@ def run_split_server(
     engine_args: Any, config: Any, model_path: str, is_demo: bool, processes: ProcessConfig | None
 ) -> int:
     """Starts the cores, serves (here, or in N front-end processes), stops the cores."""
+    from jvllm.engine.core.coordinator import DPCoordinator
     from jvllm.engine.core.launcher import EngineCoreProcs
 
     processes = processes or ProcessConfig()
+    num_cores = processes.data_parallel.data_parallel_size
     # Until uvicorn takes the signals over: SIGTERM while the cores start stops them too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    cores = EngineCoreProcs(engine_args, processes.data_parallel.data_parallel_size)
+    # Several API servers balancing over several cores share one view of their loads.
+    shared = processes.api_server_count > 1 and num_cores > 1
+    coordinator = DPCoordinator(num_cores) if shared else None
+    if coordinator is not None:
+        logger.info("DP coordinator: loads published on %s", coordinator.output_address)
+    try:
+        cores = EngineCoreProcs(
+            engine_args, num_cores, coordinator.input_address if coordinator else None
+        )
+    except BaseException:
+        if coordinator is not None:
+            coordinator.stop()
+        raise
     try:
         if processes.api_server_count == 1:
             return run_frontend(
                 engine_args, config, model_path, is_demo, cores.addresses, cores.pids
             )
-        return _supervise(engine_args, config, model_path, is_demo, cores, processes)
+        loads = coordinator.output_address if coordinator else None
+        return _supervise(engine_args, config, model_path, is_demo, cores, processes, loads)
     finally:
         # A second SIGTERM (an impatient supervisor) must not cut the cores' stop short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cores.stop()
+        if coordinator is not None:
+            coordinator.stop()
         logger.info("engine cores stopped")
 
 
@@ -99,15 +117,17 @@ def run_frontend(
     addresses: list[str],
     pids: list[int],
     reuse_port: bool = False,
+    loads_address: str | None = None,
 ) -> int:
-    """One API server front end on the cores at `addresses`; its exit status."""
+    """One API server front end on the cores at `addresses` (balancing by the DP
+    coordinator's table at `loads_address`, if given); its exit status."""
     from jvllm.engine.core.client import EngineCoreClient
     from jvllm.tokenizer_loading import load_tokenizer
 
     from .launch import serve_frontend
 
     tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-    client = EngineCoreClient(addresses, pids, tokenizer)
+    client = EngineCoreClient(addresses, pids, tokenizer, loads_address)
     cache_info = client.cache_config | {
         "num_gpu_blocks": client.cores[0].metrics.get("num_total_blocks", 0)
     }
@@ -182,10 +202,13 @@ def _api_server(
     addresses: list[str],
     pids: list[int],
     index: int,
+    loads_address: str | None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ApiServer_{index} %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
-    code = run_frontend(engine_args, config, model_path, is_demo, addresses, pids, reuse_port=True)
+    code = run_frontend(
+        engine_args, config, model_path, is_demo, addresses, pids, True, loads_address
+    )
     os._exit(code)
 
 
@@ -196,6 +219,7 @@ def _supervise(
     is_demo: bool,
     cores: Any,
     processes: ProcessConfig,
+    loads_address: str | None,
 ) -> int:
     """Runs N front ends; SIGTERM or SIGINT drains them all. Exits 0 if every one did,
     else 1 (and stops the others as soon as one ends)."""
@@ -203,7 +227,16 @@ def _supervise(
     servers = [
         context.Process(
             target=_api_server,
-            args=(engine_args, config, model_path, is_demo, cores.addresses, cores.pids, i),
+            args=(
+                engine_args,
+                config,
+                model_path,
+                is_demo,
+                cores.addresses,
+                cores.pids,
+                i,
+                loads_address,
+            ),
             name=f"ApiServer_{i}",
         )
         for i in range(processes.api_server_count)

@@ -250,3 +250,113 @@ def test_generate_steps_with_the_serving_collector_and_restores_it(llm, monkeypa
     assert len(out[0].outputs[0].token_ids) == 4
     assert seen and all(frozen > 0 and first >= SERVING_GEN0_THRESHOLD for frozen, first in seen)
     assert (gc.get_freeze_count(), gc.get_threshold()) == before
+
+
+def _in_process_outputs(engine, requests) -> dict:
+    outs: dict[str, list] = {rid: [] for rid, _, _ in requests}
+    for rid, ids, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def _outputs_through_core(engine, requests) -> tuple[dict, list]:
+    """The split's path without its processes: an `EngineCore` (token ids only) over the
+    module's engine, and the front end's output processor; the requests (and choices)
+    it aborted in the core, each checked gone from the engine at once."""
+    import time
+
+    from jvllm.engine.core import messages as m
+    from jvllm.engine.core.core import EngineCore
+    from jvllm.engine.core.detokenizing import FrontendOutputProcessor
+
+    core, front = EngineCore(engine, 0), FrontendOutputProcessor(engine.tokenizer)
+    outs: dict[str, list] = {rid: [] for rid, _, _ in requests}
+    aborted: list[str] = []
+    try:
+        for rid, ids, params in requests:
+            add = m.AddRequest(rid, None, ids, time.monotonic(), sampling_params=params)
+            assert core.handle(b"front", add).error is None
+            front.add_request(rid, None, ids, params, None)
+        while front.requests:
+            stopped, choices = [], {}
+            for wire in core.step(b"front").outputs:
+                output, abort_in_core, ended = front.process(wire)
+                outs[wire.request_id] += [output] if output is not None else []
+                stopped += [wire.request_id] if abort_in_core else []
+                choices |= {wire.request_id: ended} if ended else {}
+            if stopped or choices:
+                core.handle(b"front", m.Abort(stopped, choices))
+                assert not set(stopped) & set(engine.output_processor.requests)
+                scheduled = {r.request_id for r in [*engine.scheduler.running]}
+                scheduled |= {r.request_id for r in engine.scheduler.waiting}
+                ends = [(rid, i) for rid, indices in choices.items() for i in indices]
+                assert not {f"{rid}#{i}" for rid, i in ends} & scheduled
+                aborted += stopped + ends
+        while engine.has_unfinished_requests():  # the abort's own trailing output
+            engine.step()
+    finally:
+        engine.output_processor.detokenize = True
+    return outs, aborted
+
+
+def test_engine_core_token_ids_detokenized_in_front_equal_in_process(llm):
+    """Through an engine core that returns token ids only, the front end's output
+    processor gives the in-process engine's outputs: stop strings cut or kept (one
+    across a token boundary), none before min_tokens, logprob and prompt logprob token
+    texts, n = 2, deltas step by step; a request a stop string ended is aborted in the
+    core, which frees its blocks."""
+    from jvllm.sampling_params import RequestOutputKind
+
+    engine, tok = llm.engine, llm.get_tokenizer()
+    ids = tok.encode("once upon a time there was")
+
+    def text(max_tokens: int) -> str:
+        params = greedy(max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].text
+
+    full, one, boundary = text(12), text(1), len(text(2))  # the first two tokens' text
+    across = full[boundary - 2 : boundary + 1]
+    assert full.index(across) == boundary - 2
+    early = one[:1]  # in the first token's text: with min_tokens=1 it stops only later
+    later = full.find(early, len(one))
+    sampled = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8, logprobs=2)
+    pair = [c.text for c in llm.generate({"prompt_token_ids": ids}, sampled)[0].outputs]
+    # A stop string in the first choice's text only: it ends that choice alone.
+    pieces = [pair[0][i : i + 2] for i in range(len(pair[0]) - 1)]
+    alone = next(piece for piece in pieces if piece not in pair[1])
+    delta = RequestOutputKind.DELTA
+    requests = [
+        ("cut", ids, greedy(max_tokens=12, stop=[across], ignore_eos=True)),
+        ("kept", ids, greedy(max_tokens=12, stop=[across], include_stop_str_in_output=True)),
+        ("cut-delta", ids, greedy(max_tokens=12, stop=[across], output_kind=delta)),
+        ("min", ids, greedy(max_tokens=12, stop=[early], min_tokens=1, ignore_eos=True)),
+        ("n2", ids, sampled),
+        ("n2-stop", ids, sampled.clone(stop=[alone])),
+        ("lp-delta", ids, greedy(max_tokens=6, logprobs=1, prompt_logprobs=1, output_kind=delta)),
+    ]
+    expected = _in_process_outputs(engine, requests)
+    got, aborted = _outputs_through_core(engine, requests)
+    for rid, _, _ in requests:
+        finals = [o for o in expected[rid] if o.finished]
+        if rid.endswith("delta"):
+            assert got[rid] == expected[rid], rid  # every delta, step by step
+        else:
+            assert got[rid][-1] == finals[-1], rid
+    cut, kept = got["cut"][-1].outputs[0], got["kept"][-1].outputs[0]
+    assert cut.text == full[: boundary - 2] and cut.stop_reason == across
+    assert kept.text == full[: boundary + 1] and kept.finish_reason == "stop"
+    assert got["min"][-1].outputs[0].text == (full if later < 0 else full[:later])
+    position = got["lp-delta"][0].outputs[0].logprobs[0]
+    assert all(lp.decoded_token == tok.decode([t]) for t, lp in position.items())
+    assert got["lp-delta"][0].prompt_logprobs[1]
+    assert sorted(map(str, aborted)) == sorted(
+        ["cut", "cut-delta", "kept", str(("n2-stop", 0))] + (["min"] if later >= 0 else [])
+    )
+    first, second = got["n2-stop"][-1].outputs
+    assert (first.finish_reason, first.stop_reason) == ("stop", alone)
+    assert second.finish_reason == "length"
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]

@@ -9,6 +9,7 @@ core compiles its own programs."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -47,7 +48,7 @@ def env(checkpoints):
         with HfRunner(path, dtype="float32") as hf:  # built while the server warms up
             expected = hf.generate_greedy(token_prompts, MAX_TOKENS)
         server.wait_ready()
-        yield SimpleNamespace(server=server, prompts=token_prompts, expected=expected)
+        yield SimpleNamespace(server=server, prompts=token_prompts, expected=expected, path=path)
     finally:
         server.stop()
 
@@ -87,6 +88,136 @@ def test_two_api_servers_and_two_engines_equal_transformers(env):
     log = env.server.log()
     for index in (0, 1):
         assert re.search(rf"ApiServer_{index} Received request", log), log[-4000:]
+
+
+def reference_text(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """The output's text as an incremental detokenizer gives it (the prompt's last five
+    tokens as context), by Transformers' decode."""
+    tail = prompt[-5:]
+    context = tokenizer.decode(tail, skip_special_tokens=True)
+    return tokenizer.decode(tail + output, skip_special_tokens=True)[len(context) :]
+
+
+def test_stop_strings_in_the_api_server_and_blocks_freed_in_the_core(env):
+    """The API server detokenizes and applies stop strings (the cores send token ids):
+    a stop string across a token boundary cuts the text of both choices (n = 2), kept
+    with include_stop_str_in_output when streamed, equal to Transformers' text; the
+    cores abort those requests at once (blocks freed, far fewer tokens than max_tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(env.path)
+    for prompt, sample in zip(env.prompts, env.expected, strict=True):
+        output = sample[0][len(prompt) :]
+        full = reference_text(tokenizer, prompt, output)
+        boundary = len(reference_text(tokenizer, prompt, output[:2]))
+        across = full[boundary - 2 : boundary + 1]
+        if len(across) == 3 and full.index(across) == boundary - 2:
+            break
+    else:
+        pytest.fail("no prompt's text has a stop string across its second token's end")
+    url, metric = env.server.url, "vllm:generation_tokens_total"
+    before = sum(engine_samples(url, metric).values())
+    extra = {"ignore_eos": True}
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        cut = client.completions.create(
+            model=model, prompt=prompt, max_tokens=200, n=2, temperature=0.0, stop=[across],
+            extra_body=extra,
+        )  # fmt: skip
+        chunks = client.completions.create(
+            model=model, prompt=prompt, max_tokens=200, temperature=0.0, stop=[across],
+            stream=True, extra_body={**extra, "include_stop_str_in_output": True},
+        )  # fmt: skip
+        streamed = [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks]
+    assert [(c.text, c.finish_reason) for c in cut.choices] == [(full[: boundary - 2], "stop")] * 2
+    assert "".join(text for text, _ in streamed) == full[: boundary + 1]
+    assert streamed[-1][1] == "stop"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        usage = engine_samples(url, "vllm:kv_cache_usage_perc")
+        running = engine_samples(url, "vllm:num_requests_running")
+        if set(usage) == {"0", "1"} and not any(usage.values()) and not any(running.values()):
+            break
+        time.sleep(0.1)
+    assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
+    # Three sequences ended after 3 tokens; the cores ran a step or two past the stop.
+    assert sum(engine_samples(url, metric).values()) - before < 30
+
+
+def served_by(server: ServerProcess, counts: dict[str, int]) -> str:
+    """The API server that logged a request since `counts` (each one's "Received
+    request" lines then), which this updates."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for index in counts:
+            seen = server.log().count(f"ApiServer_{index} Received request")
+            if seen > counts[index]:
+                counts[index] = seen
+                return index
+        time.sleep(0.02)
+    raise AssertionError("no API server logged the request")
+
+
+def test_api_servers_balance_on_the_coordinators_one_view(env):
+    """Long requests opened one after another, through both API servers, each go to an
+    engine that was least loaded (waiting * 4 + running) in the DP coordinator's table
+    just before, with requests of either API server running: every API server sees the
+    other's requests at once. (Steps are fast: a check counts only when no request
+    ended meanwhile.)"""
+    import zmq
+
+    from jvllm.engine.core.coordinator import LoadView
+
+    server = env.server
+    address = re.search(r"loads published on (\S+)", server.log()).group(1)
+    context = zmq.Context()
+    view = LoadView(context, address)
+    body = {"prompt": env.prompts[0], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    counts = {i: server.log().count(f"ApiServer_{i} Received request") for i in "01"}
+    checked = crossed = 0  # checks; those taken by the other API server than the last
+    open_streams, last = [], None
+
+    def table(after: list[int] | None = None):
+        """The newest table once it shows a request added since `after` and none waits
+        (a settled view: the API servers see the same)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            latest = view.latest()
+            if latest is not None and None not in latest.engines:
+                added = [load.num_added for load in latest.engines]
+                settled = not any(load.waiting for load in latest.engines)
+                if settled and (after is None or sum(added) > sum(after)):
+                    return latest, added
+            time.sleep(0.005)
+        raise AssertionError("the coordinator published no new table")
+
+    try:
+        with contextlib.ExitStack() as streams:
+            for _ in range(24):  # at most 12 running per engine (16 sequences)
+                if checked >= 8 and crossed >= 3:
+                    break
+                before, added = table()
+                client = streams.enter_context(httpx.Client(base_url=server.url, timeout=60))
+                response = streams.enter_context(
+                    client.stream("POST", "/v1/completions", json=body)
+                )
+                open_streams.append(response.iter_lines())  # kept: a closed one aborts
+                assert next(open_streams[-1]).startswith("data: ")
+                took, previous = served_by(server, counts), last
+                last = took
+                after, now = table(added)
+                running = [load.running for load in before.engines]
+                if not any(running) or sum(a.running for a in after.engines) <= sum(running):
+                    continue  # nothing to balance against, or a request ended meanwhile
+                loads = [load.waiting * 4 + load.running for load in before.engines]
+                chosen = [i for i in (0, 1) if now[i] > added[i]]
+                assert len(chosen) == 1 and loads[chosen[0]] == min(loads), (before, after)
+                checked += 1
+                crossed += took != previous
+    finally:
+        view.close()
+        context.term()
+    assert checked >= 8 and crossed >= 3, (checked, crossed)
 
 
 def test_abort_frees_every_engines_blocks(env):

@@ -5,17 +5,19 @@ data-parallel load balancing).
 Owns, in the front end: tokenizing prompts and checking requests before they leave
 (`validation.py`, so a bad one is a 400 without a round trip), choosing a data-parallel
 engine core for each request (the least `waiting * 4 + running`, vLLM's coordinator's
-score), rebuilding RequestOutputs from the cores' deltas (cumulative or delta, as the
-request asked), the engine metrics of every core, utility calls (broadcast to every
-core), and noticing a dead core: the step that waits on it raises `EngineCoreDeadError`
-naming it, which `AsyncLLM` turns into a failure of every in-flight request. Every call
-runs on the one AsyncLLM engine thread, as `LLMEngine`'s would. Not owned: starting or
-stopping the core processes (`launcher.py`), the engine itself (`core.py`).
+score, by the DP coordinator's table of every core's load where several API servers
+share the cores: `coordinator.py`), turning the cores' token ids into RequestOutputs
+(`detokenizing.py`: text, stop strings, cumulative or delta as the request asked) and
+aborting in its core a request that a stop string ended, the engine metrics of every
+core, utility calls (broadcast to every core), and noticing a dead core: the step that
+waits on it raises `EngineCoreDeadError` naming it, which `AsyncLLM` turns into a
+failure of every in-flight request. Every call runs on the one AsyncLLM engine thread,
+as `LLMEngine`'s would. Not owned: starting or stopping the core processes
+(`launcher.py`), the engine itself (`core.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,11 +27,12 @@ import msgspec
 
 from jvllm.engine.async_llm import EngineDeadError
 from jvllm.engine.core import messages as m
+from jvllm.engine.core.detokenizing import FrontendOutputProcessor
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.validation import InvalidRequestError, check_priority, validate_request
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
 # Milliseconds between liveness checks of a core while waiting for its reply.
 POLL_MS = 100
@@ -53,26 +56,32 @@ class _Core:
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
     added: int = 0  # requests added since its last step reply (not yet in its metrics)
+    # With a DP coordinator: the core's load as every API server sees it, and this front
+    # end's adds (by the core's count) that it may not show yet.
+    shared: m.EngineLoad | None = None
+    own_adds: list[int] = field(default_factory=list)
 
     def load(self) -> int:
-        waiting = self.metrics.get("num_requests_waiting", 0) + self.added
-        return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
-
-
-@dataclass
-class _Tracked:
-    core: _Core
-    prompt: str | None
-    prompt_token_ids: list[int]
-    lora_request: LoRARequest | None
-    cumulative: bool  # the reader wants cumulative outputs, folded from the deltas
-    folded: RequestOutput | None = None
+        shared = self.shared
+        if shared is None:
+            waiting = self.metrics.get("num_requests_waiting", 0) + self.added
+            return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
+        unseen = sum(1 for n in self.own_adds if n > shared.num_added)
+        return (shared.waiting + unseen) * WAITING_WEIGHT + shared.running
 
 
 class EngineCoreClient:
     """`LLMEngine`'s methods, answered by engine cores at `addresses` (one per DP rank)."""
 
-    def __init__(self, addresses: list[str], pids: list[int], tokenizer: Any) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        pids: list[int],
+        tokenizer: Any,
+        loads_address: str | None = None,
+    ) -> None:
+        """`loads_address`: the DP coordinator's table of every core's load, which
+        balancing then uses (several API servers); else each core's metrics."""
         import zmq
 
         self._context = zmq.Context()
@@ -84,6 +93,11 @@ class EngineCoreClient:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             self.cores.append(_Core(index, pid, socket))
+        self._loads: Any = None
+        if loads_address is not None:
+            from jvllm.engine.core.coordinator import LoadView
+
+            self._loads = LoadView(self._context, loads_address)
         infos = [self._call(core, m.Hello(), m.EngineCoreInfo) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
             core.info, core.metrics = info, info.metrics
@@ -97,7 +111,9 @@ class EngineCoreClient:
         self.lora_slots = True if first.lora_enabled else None  # LoRA on: what the server asks
         self._policy = first.scheduling_policy
         self.structured_outputs = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, _Core] = {}  # request id -> the core running it
+        # Detokenizes the cores' token ids, applies stop strings, builds the outputs.
+        self.output_processor = FrontendOutputProcessor(tokenizer)
         # Whether the cores may run a step ahead (not while a pause holds the requests:
         # the server sets it from AsyncLLM's pause state).
         self.may_prefetch: Callable[[], bool] = lambda: True
@@ -123,7 +139,7 @@ class EngineCoreClient:
         beam = isinstance(params, BeamSearchParams)
         if not beam:
             validate_request(text, ids, params, self.vocab_size, self.max_model_len)
-        core = min(self.cores, key=_Core.load)
+        core = self._least_loaded()
         add = m.AddRequest(request_id, text, ids, arrival_time, priority=priority)
         add.lora_request = lora_request
         if beam:
@@ -135,18 +151,32 @@ class EngineCoreClient:
             if reply.error_type == "InvalidRequestError":
                 raise InvalidRequestError(reply.error, reply.param)
             raise ValueError(reply.error)
-        cumulative = not beam and params.output_kind != RequestOutputKind.DELTA
-        self._requests[request_id] = _Tracked(core, text, ids, lora_request, cumulative)
+        self.output_processor.add_request(request_id, text, ids, params, lora_request)
+        self._requests[request_id] = core
         core.requests.add(request_id)
         core.added += 1
+        if self._loads is not None:
+            core.own_adds.append(reply.num_added)
+
+    def _least_loaded(self) -> _Core:
+        """The core to add to: the least `waiting * 4 + running`, by the DP coordinator's
+        newest table where there is one."""
+        table = self._loads.latest() if self._loads is not None else None
+        if table is not None:
+            for core, load in zip(self.cores, table.engines, strict=True):
+                if load is not None:
+                    core.shared = load
+                    core.own_adds = [n for n in core.own_adds if n > load.num_added]
+        return min(self.cores, key=_Core.load)
 
     def abort_request(self, request_id: str) -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is None:
+        core = self._requests.pop(request_id, None)
+        if core is None:
             return
-        tracked.core.requests.discard(request_id)
-        reply = self._call(tracked.core, m.Abort([request_id]), m.UtilityReply)
-        tracked.core.metrics = reply.result
+        self.output_processor.abort_request(request_id)
+        core.requests.discard(request_id)
+        reply = self._call(core, m.Abort([request_id]), m.UtilityReply)
+        core.metrics = reply.result
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
@@ -166,39 +196,24 @@ class EngineCoreClient:
         outputs: list[RequestOutput] = []
         for core, reply in zip(cores, replies, strict=True):
             core.metrics, core.added = reply.metrics, 0
+            # Requests and choices stop strings ended here: the core still runs them.
+            stopped, choices = [], {}
             for wire in reply.outputs:
-                output = self._output(wire)
-                if output is not None:
-                    outputs.append(output)
+                output, abort_in_core, ended = self.output_processor.process(wire)
+                if abort_in_core:
+                    stopped.append(wire.request_id)
+                elif ended:
+                    choices[wire.request_id] = ended
+                if output is None:
+                    continue
+                outputs.append(output)
+                if output.finished:
+                    del self._requests[wire.request_id]
+                    core.requests.discard(wire.request_id)
+            if stopped or choices:  # the core frees their blocks now
+                abort = m.Abort(stopped, choices)
+                core.metrics = self._call(core, abort, m.UtilityReply).result
         return outputs
-
-    def _output(self, wire: m.WireOutput) -> RequestOutput | None:
-        tracked = self._requests.get(wire.request_id)
-        if tracked is None:
-            return None  # aborted here since
-        if wire.finished:
-            del self._requests[wire.request_id]
-            tracked.core.requests.discard(wire.request_id)
-        delta = RequestOutput(
-            wire.request_id,
-            tracked.prompt,
-            tracked.prompt_token_ids,
-            wire.prompt_logprobs,
-            wire.outputs,
-            wire.finished,
-            wire.num_cached_tokens,
-            lora_request=tracked.lora_request,
-        )
-        if not tracked.cumulative:
-            return delta
-        if tracked.folded is None:
-            tracked.folded = delta
-        else:
-            tracked.folded.add(delta)
-        folded = tracked.folded
-        # A snapshot: readers keep outputs that later folds must not change.
-        copies = [dataclasses.replace(c) for c in folded.outputs]
-        return dataclasses.replace(folded, outputs=copies)
 
     # -- metrics and utilities --
 
@@ -243,6 +258,8 @@ class EngineCoreClient:
         return all(self.call_utility("reset_prefix_cache"))
 
     def close(self) -> None:
+        if self._loads is not None:
+            self._loads.close()
         for core in self.cores:
             core.socket.close()
         self._context.term()

@@ -4,10 +4,12 @@
 Owns the engine (`LLMEngine`: scheduler, KV manager, runner, and committing each step's
 tokens) inside the core process, and the loop that answers the front ends' messages
 (`messages.py`) one at a time: add a tokenized request, abort, step, a utility call.
+The engine stops sequences on EOS, stop token ids and lengths only, and reports token
+ids: detokenizing and stop strings are the front end's (`detokenizing.py`).
 Several front ends (`--api-server-count`) may share one core: each request's outputs go
 to the front end that added it, buffered until that front end next asks for a step.
-Tokenizing prompts, building RequestOutputs, the streams and HTTP are the front end's
-(`client.py`). The engine is built here, so the runner (and jax) is imported only once
+Tokenizing, detokenizing, building RequestOutputs, the streams and HTTP are the front
+end's (`client.py`). The engine is built here, so the runner (and jax) is imported only once
 this process runs: the module itself imports no jax.
 """
 
@@ -76,13 +78,19 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 class EngineCore:
     """Answers one front-end message at a time (`handle`); the process loop is `run`."""
 
-    def __init__(self, engine: Any, engine_index: int) -> None:
+    def __init__(self, engine: Any, engine_index: int, detokenize: bool = False) -> None:
+        """`detokenize` False (as vLLM's core): outputs carry token ids (and logprobs)
+        only, and no stop string ends a sequence here; the front end does both
+        (`detokenizing.py`) and aborts a request a stop string ended."""
         self.engine = engine
+        engine.output_processor.detokenize = detokenize
         self.engine_index = engine_index
         self._owner: dict[str, bytes] = {}  # request id -> the front end that added it
         self._pending: dict[bytes, list[m.WireOutput]] = defaultdict(list)
         self._ahead = False  # a step ran ahead of the next Step (prefetch)
         self._prefetch = False  # the last Step asked for one
+        self.num_added = 0  # requests taken (the DP coordinator's view tells them apart)
+        self._loads: Any = None  # a LoadPusher to the DP coordinator, when there is one
 
     def info(self) -> m.EngineCoreInfo:
         engine = self.engine
@@ -114,11 +122,23 @@ class EngineCore:
             pending = self._pending.get(client)
             if pending:
                 pending[:] = [out for out in pending if out.request_id not in aborted]
+            for request_id, indices in message.choices.items():
+                if self._owner.get(request_id) == client:
+                    self._end_choices(request_id, indices)
             return m.UtilityReply(result=dict(self.engine.get_metrics()))
         if isinstance(message, m.UtilityCall):
             return self.call_utility(message)
         assert isinstance(message, m.Hello), message
         return self.info()
+
+    def _end_choices(self, request_id: str, indices: list[int]) -> None:
+        """Frees the sequences of choices its front end ended; the request's last output
+        goes out with the next step's if that ended it."""
+        engine = self.engine
+        commit = engine.output_processor.abort_sequences(request_id, indices)
+        engine._apply(commit)  # the scheduler frees their blocks
+        for output in commit.outputs:
+            self._pending[self._owner.pop(request_id)].append(_wire(output))
 
     def add_request(self, client: bytes, add: m.AddRequest) -> m.AddReply:
         params = add.beam_search_params
@@ -135,7 +155,8 @@ class EngineCore:
         except (ValueError, TypeError) as e:
             return m.AddReply(str(e))
         self._owner[add.request_id] = client
-        return m.AddReply()
+        self.num_added += 1
+        return m.AddReply(num_added=self.num_added)
 
     def step(self, client: bytes, prefetch: bool = False) -> m.StepReply:
         """Runs one engine step (unless one ran ahead) and hands `client` its outputs."""
@@ -176,16 +197,27 @@ class EngineCore:
             kind = next(k for k in type(e).__mro__ if k.__module__ == "builtins")
             return m.UtilityReply(error=str(e), error_type=kind.__name__)
 
-    def run(self, address: str) -> None:
+    def push_load(self) -> None:
+        """Tells the DP coordinator this core's load, if it changed."""
+        if self._loads is not None:
+            scheduler = self.engine.scheduler
+            self._loads.push(len(scheduler.waiting), len(scheduler.running), self.num_added)
+
+    def run(self, address: str, loads_address: str | None = None) -> None:
         """Serves front ends on `address` until told to shut down, or until the process
-        that started it (`launcher.py`) is gone."""
+        that started it (`launcher.py`) is gone; pushes its load to the DP coordinator
+        at `loads_address`, if given."""
         import zmq
+
+        from jvllm.engine.core.coordinator import LoadPusher
 
         parent = os.getppid()
         context = zmq.Context()
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(address)
+        if loads_address is not None:
+            self._loads = LoadPusher(context, loads_address, self.engine_index)
         try:
             while True:
                 if not socket.poll(int(PARENT_CHECK_S * 1000)):
@@ -200,9 +232,13 @@ class EngineCore:
                 reply = self.handle(client.bytes, message)
                 if reply is not None:
                     socket.send_multipart([client, m.encode(reply)], copy=False)
+                self.push_load()
                 if isinstance(message, m.Step):
                     self.run_ahead()
+                    self.push_load()
         finally:
+            if self._loads is not None:
+                self._loads.close()
             socket.close()
             context.term()
 
@@ -235,9 +271,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_engine_core(engine_args: Any, engine_index: int, address: str, devices: str) -> None:
+def run_engine_core(
+    engine_args: Any,
+    engine_index: int,
+    address: str,
+    devices: str,
+    loads_address: str | None = None,
+) -> None:
     """The core process's entry (`launcher.py` starts it): build the engine on this
-    rank's devices, then serve. SIGINT is left to the parent, which stops the cores."""
+    rank's devices, then serve (pushing its load to the DP coordinator at
+    `loads_address`, if any). SIGINT is left to the parent, which stops the cores."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -248,4 +291,4 @@ def run_engine_core(engine_args: Any, engine_index: int, address: str, devices: 
     )
     engine = engine_args.create_engine()
     logger.info("engine core %d (pid %d) serving on %s", engine_index, os.getpid(), address)
-    EngineCore(engine, engine_index).run(address)
+    EngineCore(engine, engine_index).run(address, loads_address)

@@ -29,7 +29,10 @@ STOP_TIMEOUT_S = 5.0
 class EngineCoreProcs:
     """The running core processes; `addresses` and `pids` are what a client needs."""
 
-    def __init__(self, engine_args: Any, data_parallel_size: int) -> None:
+    def __init__(
+        self, engine_args: Any, data_parallel_size: int, loads_address: str | None = None
+    ) -> None:
+        """`loads_address`: the DP coordinator's, where each core pushes its load."""
         self._dir = tempfile.mkdtemp(prefix="jvllm-core-")
         self.addresses = [f"ipc://{self._dir}/core{i}" for i in range(data_parallel_size)]
         context = multiprocessing.get_context("spawn")
@@ -41,7 +44,7 @@ class EngineCoreProcs:
             devices = _devices(rank, per_rank) if data_parallel_size > 1 else ""
             proc = context.Process(
                 target=run_engine_core,
-                args=(engine_args, rank, address, devices),
+                args=(engine_args, rank, address, devices, loads_address),
                 name=f"EngineCore_DP{rank}",
             )
             proc.start()

@@ -5,7 +5,8 @@ crosses the socket, and each side decodes into declared types only.
 Owns the wire shapes and their codecs. A front end sends one message and reads one
 reply (`Hello` -> `EngineCoreInfo`, `AddRequest` -> `AddReply`, `Step` -> `StepReply`,
 `UtilityCall` -> `UtilityReply`, `Abort` -> `UtilityReply` with the metrics after it,
-so that freed blocks show at once); `Shutdown` has no reply. Not owned:
+so that freed blocks show at once); `Shutdown` has no reply. `EngineLoad` and
+`LoadTable` go to and from the DP coordinator (`coordinator.py`). Not owned:
 the loop that serves them (`core.py`) or the client that sends them (`client.py`).
 """
 
@@ -38,7 +39,11 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 
 class Abort(msgspec.Struct, tag="abort"):
+    """Ends requests, or (`choices`) some sequences of a request: n > 1 choices that a
+    stop string ended in the front end while the others go on."""
+
     request_ids: list[str]
+    choices: dict[str, list[int]] = {}
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -81,6 +86,22 @@ class AddReply(msgspec.Struct):
     error: str | None = None
     param: str | None = None  # the request field the error names (InvalidRequestError)
     error_type: str = "ValueError"
+    num_added: int = 0  # the requests the core has taken, this one included
+
+
+class EngineLoad(msgspec.Struct, array_like=True):
+    """One core's load, as it pushes it to the DP coordinator when it changes."""
+
+    engine_index: int
+    waiting: int  # sequences, as the scheduler counts them
+    running: int
+    num_added: int  # the requests it has taken so far (`AddReply.num_added`)
+
+
+class LoadTable(msgspec.Struct, array_like=True):
+    """Every core's latest load, as the DP coordinator publishes it (None: not heard)."""
+
+    engines: list[EngineLoad | None]
 
 
 class WireOutput(msgspec.Struct, array_like=True):
