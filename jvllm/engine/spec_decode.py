@@ -28,7 +28,14 @@ from jvllm.config import SpeculativeConfig
 from jvllm.engine.metrics import SpecDecodeStats
 from jvllm.engine.ngram_proposer import NgramProposer
 from jvllm.engine.request import Request
-from jvllm.engine.step_io import DraftModel, DraftRow
+from jvllm.engine.spec_in_flight import ProposalInFlight
+from jvllm.engine.step_io import (
+    PLACEHOLDER_TOKEN,
+    DraftModel,
+    DraftRow,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class StepSequence(NamedTuple):
@@ -78,6 +85,8 @@ class Speculator:
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
         # Requests holding a draft model's drafts: their q rows are the latest proposal's.
         self._holding: dict[str, Request] = {}
+        # The latest proposal on the device, its drafts read only once a step needs them.
+        self.in_flight: ProposalInFlight | None = None
         self.num_drafts = 0  # rows that verified at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -117,7 +126,7 @@ class Speculator:
         # A new proposal replaces the device's q rows: older drafts lose theirs.
         for request in self._holding.values():
             request.spec_token_ids, request.spec_q_row = [], -1
-        self._holding = {}
+        self._holding, self.in_flight = {}, None
         rows, requests = [], []
         for seq in sequences:
             request = seq.request
@@ -145,12 +154,29 @@ class Speculator:
         if not rows:
             return
         k = self.config.num_speculative_tokens
-        for index, (request, drafts) in enumerate(
-            zip(requests, self.draft_model.propose(rows), strict=True)
-        ):
-            if drafts:
-                request.spec_token_ids, request.spec_q_row = drafts, index * k
+        self.in_flight = flight = ProposalInFlight(self.draft_model.propose(rows), k)
+        for index, (request, row) in enumerate(zip(requests, rows, strict=True)):
+            if row.num_tokens:  # its values stay on the device (`spec_in_flight`)
+                request.spec_token_ids = [PLACEHOLDER_TOKEN] * row.num_tokens
+                request.spec_q_row = index * k
                 self._holding[request.request_id] = request
+                flight.rows[request.request_id] = index
+
+    def feed(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step with where its draft tokens are on the device (a device proposer's)."""
+        return sched if self.in_flight is None else self.in_flight.feed(sched)
+
+    def resolve(self, rows: Sequence[ScheduledRequest]) -> None:
+        """The drafts' values into the rows carrying them, once their forward is queued."""
+        if self.in_flight is not None:
+            self.in_flight.resolve(rows)
+
+    def drafts_of(self, request: Request) -> list[int]:
+        """The drafts a request holds for its next row (waits for a device proposal)."""
+        n = len(request.spec_token_ids)
+        if self.in_flight is None or not n:
+            return list(request.spec_token_ids)
+        return self.in_flight.drafts(request.request_id, n)
 
     def _sequence(self, request: Request) -> np.ndarray:
         buf, filled = self._tokens.get(request.request_id, (None, 0))
