@@ -87,6 +87,9 @@ class Speculator:
         self._holding: dict[str, Request] = {}
         # The latest proposal on the device, its drafts read only once a step needs them.
         self.in_flight: ProposalInFlight | None = None
+        # True: read each device proposal at once, as before drafts stayed on the
+        # device (a baseline for bench/spec_decode.py; outputs are the same).
+        self.wait_for_proposals = False
         self.num_drafts = 0  # rows that verified at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -161,6 +164,8 @@ class Speculator:
                 request.spec_q_row = index * k
                 self._holding[request.request_id] = request
                 flight.rows[request.request_id] = index
+        if self.wait_for_proposals:
+            flight.pending.result()
 
     def feed(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with where its draft tokens are on the device (a device proposer's)."""
