@@ -4,11 +4,12 @@ Owns choosing which sequences a proposer drafts for and how many tokens each may
 (never past max_tokens or max_model_len), asking the proposer (n-gram lookup here, or
 the runner's draft model or EAGLE head), reading a verified row's outcome, and vLLM's
 spec_decode_* counters. The drafts ride in the next decode row (the scheduler's lookahead
-slots); the target scores every position of the row in one step. An EAGLE head (method
-"eagle", "eagle3") or an MTP layer ("deepseek_mtp") also needs the rows that take no
-drafts (prefill chunks, sequences at their limit): its proposal program rewrites each
-row's last entry, from the token after it. For n-gram
-drafts the sampler draws each position's token exactly as a step without drafts would
+slots); the target scores every position of the row in one step. A proposer on the
+device leaves its drafts there until that step's forward is queued (`spec_in_flight.py`).
+An EAGLE head (method "eagle", "eagle3") or an MTP layer ("deepseek_mtp") also needs
+the rows that take no drafts (prefill chunks, sequences at their limit): its proposal
+program rewrites each row's last entry, from the token after it. For n-gram drafts the
+sampler draws each position's token exactly as a step without drafts would
 (the same processors, the same per-request seed and output index), so greedy and seeded
 outputs are token for token those of decoding without speculation; a draft model's or
 EAGLE head's tokens go through the sampler's rejection rule with their distribution q.
