@@ -7,7 +7,11 @@ n-gram lookup, a draft model (the demo drafting for itself: every greedy draft k
 ceiling), the shipped EAGLE-1, EAGLE-3 and Medusa heads, and DeepSeek-V3's MTP layer
 on a tiny random V3 (`jvllm.testing.mtp`, its own no-speculation baseline; its drafts
 are random, so only its overhead means anything). Speculation runs with async
-scheduling off (the engine switches it off while speculating). One engine per
+scheduling off (the engine switches it off while speculating); a device proposer's
+drafts stay on the device until the step verifying them is queued, and with
+`--host-wait` each such method runs again as "<method>_host_wait", the host reading
+every proposal at once (the engine's `Speculator.wait_for_proposals`), on the same
+engine with its repeats interleaved. One engine per
 configuration serves every concurrency: at concurrency c, c requests are in flight
 together. Reported: output tok/s (median of the repeats), the acceptance rate
 (accepted / drafted tokens), the mean accepted length per verifying row (accepted
@@ -16,6 +20,7 @@ and TPOT from the engine's steps.
 
     python bench/spec_decode.py [--concurrency 1,4,32] [--max-tokens 48] [--repeats 2]
         [--methods none,ngram,draft,eagle,eagle3,medusa,mtp] [--num-draft-tokens 3]
+        [--host-wait]
 """
 
 from __future__ import annotations
@@ -93,8 +98,11 @@ def timed_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 METHODS = ("none", "ngram", "draft", "eagle", "eagle3", "medusa", "mtp")
 
 
-def method_configs(methods: list[str], k: int) -> dict[str, tuple[dict | None, bool]]:
-    """name -> (speculative_config, async_scheduling); heads are the demo's shipped ones."""
+def method_configs(
+    methods: list[str], k: int, host_wait: bool = False
+) -> dict[str, tuple[dict | None, bool]]:
+    """name -> (speculative_config, async_scheduling); heads are the demo's shipped ones.
+    `host_wait`: each device proposer once more as "<method>_host_wait"."""
     from jvllm.demo import with_shipped_head
 
     demo = str(demo_model_path())
@@ -111,6 +119,8 @@ def method_configs(methods: list[str], k: int) -> dict[str, tuple[dict | None, b
             out[m] = (with_shipped_head(spec, demo), False)
         elif m != "mtp":
             raise SystemExit(f"--methods: {m!r} is not one of {METHODS}")
+        if host_wait and m in ("draft", "eagle", "eagle3", "medusa"):
+            out[f"{m}_host_wait"] = out[m]
     return out
 
 
@@ -135,34 +145,47 @@ def run_configs(
     args: argparse.Namespace,
     engine_args: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
-    """Every configuration at every concurrency; outputs checked equal to "none"'s."""
+    """Every configuration at every concurrency; outputs checked equal to "none"'s. A
+    "<method>_host_wait" configuration runs on its method's engine, its repeats
+    interleaved with the method's (the shared machine's load then hits both alike)."""
     runs: dict[str, dict[str, Any]] = {}
     outputs: dict[int, dict[str, list]] = {c: {} for c in concurrency}
     top = max(concurrency)
     for name, (spec, overlap) in configs.items():
+        if name.endswith("_host_wait"):
+            continue
         llm = LLM(
             model,
             speculative_config=spec,
             async_scheduling=overlap,
             **{**engine_args, "max_num_seqs": top},
         )
+        variants = [name] + [f"{name}_host_wait"] * (f"{name}_host_wait" in configs)
         for c in concurrency:  # warm-up: every shape the workload uses
             timed_run(llm, prompts[:c], 8)
         for c in concurrency:
-            rs = [timed_run(llm, prompts[:c], args.max_tokens) for _ in range(args.repeats)]
-            got = [r.pop("outputs") for r in rs]
-            assert all(g == got[0] for g in got), f"{name} at c={c}: runs differ"
-            outputs[c][name] = got[0]
-            common.log(f"c={c} {name}: {rs[-1]['output_tok_s']:.0f} tok/s")
-            runs[f"c{c}_{name}"] = dict(
-                runs=rs,
-                output_tok_s=statistics.median(r["output_tok_s"] for r in rs),
-                tpot_median_ms=statistics.median(r["tpot_median_ms"] for r in rs),
-                acceptance_rate=rs[0]["acceptance_rate"],
-                mean_accepted_length=rs[0]["mean_accepted_length"],
-                speculative_config=spec,
-                async_scheduling=overlap,
-            )
+            rs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+            for _ in range(args.repeats):
+                for variant in variants:  # the host reads each proposal at once, or not
+                    wait = variant.endswith("_host_wait")
+                    if wait or len(variants) > 1:
+                        llm.llm_engine.speculator.wait_for_proposals = wait
+                    rs[variant].append(timed_run(llm, prompts[:c], args.max_tokens))
+            for variant, vs in rs.items():
+                got = [r.pop("outputs") for r in vs]
+                assert all(g == got[0] for g in got), f"{variant} at c={c}: runs differ"
+                outputs[c][variant] = got[0]
+                common.log(f"c={c} {variant}: {vs[-1]['output_tok_s']:.0f} tok/s")
+                runs[f"c{c}_{variant}"] = dict(
+                    runs=vs,
+                    output_tok_s=statistics.median(r["output_tok_s"] for r in vs),
+                    tpot_median_ms=statistics.median(r["tpot_median_ms"] for r in vs),
+                    acceptance_rate=vs[0]["acceptance_rate"],
+                    mean_accepted_length=vs[0]["mean_accepted_length"],
+                    speculative_config=spec,
+                    async_scheduling=overlap,
+                    drafts_read_at_once=variant.endswith("_host_wait"),
+                )
         del llm
     for c, by_name in outputs.items():
         for name, got in by_name.items():
@@ -177,13 +200,14 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--host-wait", action="store_true", help="also read proposals at once")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "spec_decode_methods.json")
     args = ap.parse_args(argv)
     result = common.envelope(__file__, argv)
     concurrency = [int(x) for x in args.concurrency.split(",")]
     methods = args.methods.split(",")
     prompts = chat_prompts(max(concurrency))
-    configs = method_configs(methods, args.num_draft_tokens)
+    configs = method_configs(methods, args.num_draft_tokens, args.host_wait)
     runs = run_configs(
         str(demo_model_path()), configs, prompts, concurrency, args, dict(DEMO_ENGINE_DEFAULTS)
     )

@@ -13,7 +13,8 @@ With `async_scheduling` (the default) the host never sits between device steps: 
 so scheduling, packing and detokenization overlap the device's work. Stop checks trail
 by one step; a row dispatched for a request that has since finished is dropped
 unseen, so no extra token is ever emitted. With speculative decoding
-(`spec_decode.py`) each step waits for the one before: the drafts come from its tokens.
+(`spec_decode.py`) each step waits for the one before: the drafts come from its tokens
+(a device proposer's stay there until the next forward is queued: `spec_in_flight.py`).
 """
 
 from __future__ import annotations
@@ -291,6 +292,8 @@ class LLMEngine:
                 sched = self.lora_slots.assign_slots(sched, prepared.states)
             if self.mm_processor is not None:  # the images the rows cover, for the encoder
                 sched = with_mm_features(sched, self.scheduler.running)
+            if self.speculator is not None:  # drafts still on the device
+                sched = self.speculator.feed(sched)
             self.runner.forward(sched)
             if previous is not None and self.output_processor.needs_previous_tokens(
                 sched.scheduled
@@ -351,6 +354,8 @@ class LLMEngine:
 
     def _sample(self, step: _Prepared) -> _InFlight:
         """Queues the sampler of the step whose forward was just queued."""
+        if self.speculator is not None:
+            self.speculator.resolve(step.sched.scheduled)
         sampling_rows, bitmask = self._sampling(step.states, step.sched.scheduled)
         pending = self.runner.sample(StepSampling(sampling_rows, bitmask, step.targets))
         return _InFlight(step.sched, step.states, step.want_prompt, pending)

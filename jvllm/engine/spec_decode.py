@@ -4,11 +4,12 @@ Owns choosing which sequences a proposer drafts for and how many tokens each may
 (never past max_tokens or max_model_len), asking the proposer (n-gram lookup here, or
 the runner's draft model or EAGLE head), reading a verified row's outcome, and vLLM's
 spec_decode_* counters. The drafts ride in the next decode row (the scheduler's lookahead
-slots); the target scores every position of the row in one step. An EAGLE head (method
-"eagle", "eagle3") or an MTP layer ("deepseek_mtp") also needs the rows that take no
-drafts (prefill chunks, sequences at their limit): its proposal program rewrites each
-row's last entry, from the token after it. For n-gram
-drafts the sampler draws each position's token exactly as a step without drafts would
+slots); the target scores every position of the row in one step. A proposer on the
+device leaves its drafts there until that step's forward is queued (`spec_in_flight.py`).
+An EAGLE head (method "eagle", "eagle3") or an MTP layer ("deepseek_mtp") also needs
+the rows that take no drafts (prefill chunks, sequences at their limit): its proposal
+program rewrites each row's last entry, from the token after it. For n-gram drafts the
+sampler draws each position's token exactly as a step without drafts would
 (the same processors, the same per-request seed and output index), so greedy and seeded
 outputs are token for token those of decoding without speculation; a draft model's or
 EAGLE head's tokens go through the sampler's rejection rule with their distribution q.
@@ -28,7 +29,14 @@ from jvllm.config import SpeculativeConfig
 from jvllm.engine.metrics import SpecDecodeStats
 from jvllm.engine.ngram_proposer import NgramProposer
 from jvllm.engine.request import Request
-from jvllm.engine.step_io import DraftModel, DraftRow
+from jvllm.engine.spec_in_flight import ProposalInFlight
+from jvllm.engine.step_io import (
+    PLACEHOLDER_TOKEN,
+    DraftModel,
+    DraftRow,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class StepSequence(NamedTuple):
@@ -78,6 +86,11 @@ class Speculator:
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
         # Requests holding a draft model's drafts: their q rows are the latest proposal's.
         self._holding: dict[str, Request] = {}
+        # The latest proposal on the device, its drafts read only once a step needs them.
+        self.in_flight: ProposalInFlight | None = None
+        # True: read each device proposal at once, as before drafts stayed on the
+        # device (a baseline for bench/spec_decode.py; outputs are the same).
+        self.wait_for_proposals = False
         self.num_drafts = 0  # rows that verified at least one draft token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -117,7 +130,7 @@ class Speculator:
         # A new proposal replaces the device's q rows: older drafts lose theirs.
         for request in self._holding.values():
             request.spec_token_ids, request.spec_q_row = [], -1
-        self._holding = {}
+        self._holding, self.in_flight = {}, None
         rows, requests = [], []
         for seq in sequences:
             request = seq.request
@@ -145,12 +158,31 @@ class Speculator:
         if not rows:
             return
         k = self.config.num_speculative_tokens
-        for index, (request, drafts) in enumerate(
-            zip(requests, self.draft_model.propose(rows), strict=True)
-        ):
-            if drafts:
-                request.spec_token_ids, request.spec_q_row = drafts, index * k
+        self.in_flight = flight = ProposalInFlight(self.draft_model.propose(rows), k)
+        for index, (request, row) in enumerate(zip(requests, rows, strict=True)):
+            if row.num_tokens:  # its values stay on the device (`spec_in_flight`)
+                request.spec_token_ids = [PLACEHOLDER_TOKEN] * row.num_tokens
+                request.spec_q_row = index * k
                 self._holding[request.request_id] = request
+                flight.rows[request.request_id] = index
+        if self.wait_for_proposals:
+            flight.pending.result()
+
+    def feed(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """The step with where its draft tokens are on the device (a device proposer's)."""
+        return sched if self.in_flight is None else self.in_flight.feed(sched)
+
+    def resolve(self, rows: Sequence[ScheduledRequest]) -> None:
+        """The drafts' values into the rows carrying them, once their forward is queued."""
+        if self.in_flight is not None:
+            self.in_flight.resolve(rows)
+
+    def drafts_of(self, request: Request) -> list[int]:
+        """The drafts a request holds for its next row (waits for a device proposal)."""
+        n = len(request.spec_token_ids)
+        if self.in_flight is None or not n:
+            return list(request.spec_token_ids)
+        return self.in_flight.drafts(request.request_id, n)
 
     def _sequence(self, request: Request) -> np.ndarray:
         buf, filled = self._tokens.get(request.request_id, (None, 0))

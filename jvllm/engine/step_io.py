@@ -90,6 +90,11 @@ class SchedulerOutput:
     # A vision-language model's step: request id -> its images whose placeholder tokens
     # the row holds (some of them), set by the engine (`engine/multimodal.py`).
     mm_features: dict[str, tuple[MultiModalFeature, ...]] | None = None
+    # With a proposer on the device: the flat index, in the last proposal's drafts, of
+    # each draft token the step's rows carry, in row order (their token_ids hold
+    # PLACEHOLDER_TOKEN there until the engine reads the proposal), set by the engine
+    # (`engine/spec_in_flight.py`); the forward reads the drafts on the device.
+    draft_sources: np.ndarray | None = None  # [total draft tokens] int32
 
 
 @dataclass
@@ -243,10 +248,17 @@ class DraftRow(NamedTuple):
     feature_row: int = 0  # EAGLE: the step's logits row that token_id was drawn from
 
 
+class PendingProposal(Protocol):
+    """A dispatched proposal (`jvllm.runner.draft_feed.PendingDrafts`)."""
+
+    def result(self) -> np.ndarray:
+        """Waits for it: row i's drafts are `[i, :num_tokens]` of this `[S, k]` int32."""
+
+
 class DraftModel(Protocol):
     """The runner's side of a draft model (`jvllm.runner.ModelRunner.propose`)."""
 
-    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]: ...
+    def propose(self, rows: Sequence[DraftRow]) -> PendingProposal: ...
 
 
 class StepRunner(Protocol):

@@ -20,6 +20,7 @@ from jvllm.layers.attention import KVCache
 from jvllm.models.loader import LoadedModel
 from jvllm.parallel.step_channel import StepMessage, StepPublisher
 from jvllm.runner.block_copies import BlockCopier
+from jvllm.runner.draft_feed import padded_sources, place_drafts_fn
 from jvllm.runner.drafter import Drafter, ProposalInputs
 from jvllm.runner.input_batch import BatchShape
 from jvllm.runner.lora_weights import DeviceLoRA
@@ -42,6 +43,7 @@ class Launches:
     last_sampled: jax.Array  # [R] int32
     draft_probs: jax.Array | None  # [Q, V] float32
     features: jax.Array | None  # [R, H]
+    proposed: jax.Array | None  # [S, k] int32: the last proposal's drafts
     blocks: BlockCopier
     lora: DeviceLoRA | None
     _last_forward: Forward | None
@@ -126,7 +128,19 @@ class Launches:
             self._put(inputs),
             self.features,
         )
+        self.proposed = drafts
         return drafts
+
+    def _launch_place_drafts(self, sources: np.ndarray) -> None:
+        """The step's drafts (flat indices into the last proposal, in row order) into
+        `last_sampled`, where the forward's draft positions read them (`draft_feed`)."""
+        if self.publisher is not None:
+            self._publish("place_drafts", {}, sources=sources)
+        assert self.proposed is not None
+        if getattr(self, "_place_fn", None) is None:
+            self._place_fn = place_drafts_fn(self.last_sampled.sharding)
+        padded = padded_sources(sources, self.last_sampled.shape[0])
+        self.last_sampled = self._place_fn(self.proposed, self._put(padded))
 
     def apply(self, message: StepMessage) -> None:
         """Runs one program a multi-host leader published (on a follower)."""
@@ -141,6 +155,8 @@ class Launches:
             self._launch_copy(a["pairs"])
         elif message.op == "propose":
             self._launch_propose(ProposalInputs(**a))
+        elif message.op == "place_drafts":
+            self._launch_place_drafts(a["sources"])
         else:
             raise ValueError(f"unknown step message {message.op!r}")
 

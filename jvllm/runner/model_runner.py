@@ -50,6 +50,7 @@ from jvllm.parallel.mesh import pp_size, replicated
 from jvllm.parallel.pipeline import schedule_utilization
 from jvllm.parallel.step_channel import StepPublisher
 from jvllm.runner.block_copies import BlockCopier
+from jvllm.runner.draft_feed import PendingDrafts, feed_draft_tokens
 from jvllm.runner.drafter import Drafter, ProposalInputs, make_drafter
 from jvllm.runner.encoder_runner import EncoderRunner, step_inputs
 from jvllm.runner.input_batch import (
@@ -184,6 +185,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         # kept by JAX's cache only, which costs a warm start their tracing and lowering.
         model_store = None if self.step_programs.platform == "cpu" else store
         self.draft_probs = None  # [Q, V] device array: the last proposal's q rows
+        self.proposed = None  # [S, k] device array: the last proposal's drafts
         # [R, H] device array: an EAGLE head's input, the last step's logits rows' hidden
         # states (padded to the largest logits-row bucket, so one proposal program each).
         self.features = None
@@ -311,6 +313,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         block_tables: np.ndarray | None = None,
         lora_slots: np.ndarray | None = None,
         mm_features: dict | None = None,
+        draft_feed: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         num_tokens = total_tokens(rows)
         if self.pp > 1:
@@ -322,6 +325,8 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         else:
             shape = shape or self.batch_shape(num_tokens)
             packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots)
+            if draft_feed:  # draft tokens read on the device from the last proposal
+                feed_draft_tokens(packed, shape, rows)
         self.token_slots[0] += num_tokens
         self.token_slots[1] += shape.num_tokens
         mm = step_inputs(self.encoder, rows, mm_features, shape.num_tokens)  # image embeddings
@@ -340,8 +345,11 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         """Queues the model over the step's rows and returns without waiting; its
         logits stay on the device for `sample`. Each row's block table is read from
         `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
-        rows, tables = scheduled.scheduled, scheduled.block_tables
-        self._run_forward(rows, None, tables, scheduled.lora_slots, scheduled.mm_features)
+        rows, tables, sources = scheduled.scheduled, scheduled.block_tables, scheduled.draft_sources
+        if sources is not None:
+            self._launch_place_drafts(sources)
+        mm = scheduled.mm_features
+        self._run_forward(rows, None, tables, scheduled.lora_slots, mm, sources is not None)
         self._forward_rows = rows
 
     def sample(self, sampling: StepSampling) -> PendingStep:
@@ -368,11 +376,12 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         out, scored = self._launch_sample(md, padded, targets)
         return PendingStep(out, scored, row_lengths(rows), len(sampling.rows))
 
-    def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> list[list[int]]:
-        """The proposer's k tokens for each row (waited for); their distributions stay
-        on the device (`draft_probs`, row r's i-th token at r * k + i) for the next
-        step's rejection sampler. `num_rows` forces the row bucket (warm-up). An EAGLE
-        head reads the hidden states of the step last run (`features`)."""
+    def propose(self, rows: Sequence[DraftRow], num_rows: int | None = None) -> PendingDrafts:
+        """The proposer's k tokens for each row, not waited for (`PendingDrafts`; a
+        step's `draft_sources` feeds them to its forward on the device); their
+        distributions stay on the device (`draft_probs`, row r's i-th token at r * k +
+        i) for the next step's rejection sampler. `num_rows` forces the row bucket
+        (warm-up). An EAGLE head reads the hidden states of the step last run (`features`)."""
         assert self.drafter is not None
         n = len(rows)
         s = num_rows or pick_bucket(max(n, 1), self.proposal_buckets)
@@ -392,8 +401,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             inputs.limits[i], inputs.seeds[i] = row.num_tokens, row.seed
             inputs.steps[i], inputs.temperature[i] = row.step_index, row.temperature
             inputs.feature_rows[i] = row.feature_row
-        host = np.asarray(self._launch_propose(inputs))
-        return [host[i, : row.num_tokens].tolist() for i, row in enumerate(rows)]
+        return PendingDrafts(self._launch_propose(inputs), [row.num_tokens for row in rows])
 
     def forward_logits(
         self, rows: Sequence[StepRow], every_token: bool = False

@@ -187,6 +187,8 @@ class StartUp:
         if self.drafter is not None:
             for size in self.proposal_buckets:
                 self.propose([], size)
+                if isinstance(self.last_sampled, jax.Array):  # not when compiling ahead
+                    self._launch_place_drafts(np.zeros(0, np.int32))  # its size's program
         if self.host_caches:
             for size in SWAP_BUCKETS:
                 self.swap_out([(0, 0)] * size)

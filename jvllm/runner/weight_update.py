@@ -282,6 +282,7 @@ class DeviceMemory:
             v.delete()
         runner.caches = []
         runner.features = None
+        runner.proposed = None  # the last proposal's drafts (`draft_feed`)
         runner._last_forward = None
         self._kv_released = True
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,19 +36,48 @@ def tiny(tmp_path_factory):
 
 
 def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(sequence, drafts proposed after it) for every proposal the engine makes."""
+    """(sequence, drafts proposed after it) for every proposal the engine makes that a
+    later step took up. A device proposal's drafts are read here only when the next
+    proposal comes (the engine itself reads them once their step's forward is queued)."""
     speculator = llm.llm_engine.speculator
-    seen = []
+    seen: list[tuple[list[int], list[int]]] = []
+    unread: list[tuple[list[int], Any, str, int]] = []  # the latest proposal's
     propose = speculator.propose
 
     def recording(sequences):
+        seen.extend((tokens, flight.drafts(rid, n)) for tokens, flight, rid, n in unread)
+        unread.clear()
         propose(sequences)
+        flight = speculator.in_flight
         for seq in sequences:
-            if seq.request.spec_token_ids:
-                seen.append((list(seq.request.all_token_ids), list(seq.request.spec_token_ids)))
+            request = seq.request
+            if not request.spec_token_ids:
+                continue
+            if flight is None:  # n-gram lookup: on the host
+                seen.append((list(request.all_token_ids), list(request.spec_token_ids)))
+            else:
+                n = len(request.spec_token_ids)
+                unread.append((list(request.all_token_ids), flight, request.request_id, n))
 
     speculator.propose = recording
     return seen
+
+
+def _record_draft_feeds(llm: LLM) -> list[bool]:
+    """For each forward carrying drafts of a device proposal: whether the host had
+    read them when it queued the forward (it should not have: they are fed on the
+    device)."""
+    engine = llm.llm_engine
+    runner, read = engine.runner, []
+    forward = runner.forward
+
+    def recording(sched):
+        if sched.draft_sources is not None:
+            read.append(engine.speculator.in_flight.pending._host is not None)
+        forward(sched)
+
+    runner.forward = recording
+    return read
 
 
 # Six prompts of repetitive tokens (the tiny heads' drafts get kept), 3 to 41 tokens long.
@@ -69,8 +99,11 @@ def speculated_like_plain(
     del plain
     llm = LLM(target, speculative_config=config, **engine)
     seen = _record_drafts(llm)
+    read = _record_draft_feeds(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(DRAFT_PROMPTS, greedy, use_tqdm=False)]
     assert got == want
+    # Each step's drafts reached its forward on the device, unread by the host.
+    assert len(read) > 10 and not any(read)
     m = llm.get_metrics()
     assert m["num_preemptions"] > 0
     assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]

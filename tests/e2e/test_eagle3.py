@@ -4,7 +4,8 @@ Every draft jvllm's head proposes equals the greedy draft a head built from
 Transformers' layers proposes for the same sequence recomputed from scratch
 (`jvllm.testing.eagle3`: the target's aux layers fused, the draft vocabulary mapped by
 `d2t`), under chunked prefill, preemption and a mixed batch; the outputs are those of
-plain decoding. The loader names what does not fit the target.
+plain decoding, and seeded sampling follows the target's distribution (chi-square). The
+loader names what does not fit the target.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
 
     from jvllm.testing.eagle3 import load_head, reference_drafts
     from tests.e2e.test_eagle import seeded_draws_alone_as_batched, speculated_like_plain
+    from tests.e2e.test_spec_decode import sampling_follows_target
 
     target, head = tiny
     # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
@@ -58,6 +60,8 @@ def test_eagle3_drafts_match_a_transformers_head(tiny):
         assert want_drafts == drafts, sequence
 
     seeded_draws_alone_as_batched(llm)
+    # The head's q covers 6 of the 8 tokens: the residual draws the other two.
+    sampling_follows_target(llm, hf, 8, n=800)
 
 
 def test_eagle3_speculators_names_and_own_embedding(tiny, tmp_path):

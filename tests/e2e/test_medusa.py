@@ -16,6 +16,7 @@ import pytest
 
 from jvllm import LLM
 from tests.e2e.test_eagle import seeded_draws_alone_as_batched, speculated_like_plain
+from tests.e2e.test_spec_decode import sampling_follows_target
 
 K = 3
 ENGINE = dict(
@@ -59,6 +60,8 @@ def test_medusa_drafts_match_torch_heads_and_outputs_equal_plain_decoding(tiny):
         assert reference_drafts(hf, reference, sequence, len(drafts)) == drafts, sequence
 
     seeded_draws_alone_as_batched(llm)
+    # One-hot q (the heads' argmax): sampled outputs still follow the target's.
+    sampling_follows_target(llm, hf, 8)
 
     # FasterDecoding's names hold the same heads.
     runner = llm.llm_engine.runner

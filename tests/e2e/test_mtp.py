@@ -3,7 +3,8 @@
 Every draft jvllm's MTP layer proposes (one layer reused for k drafts) equals the greedy
 draft of the same layer rebuilt from Transformers' own DeepseekV3 modules on
 Transformers' hidden states (`jvllm.testing.mtp`), recomputed from scratch, under
-chunked prefill, preemption and a mixed batch; the outputs are those of plain decoding.
+chunked prefill, preemption and a mixed batch; the outputs are those of plain decoding,
+and seeded sampling follows the target's distribution (chi-square).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def target(tmp_path_factory) -> str:
 
 def test_mtp_drafts_match_transformers_and_outputs_match_plain_decoding(target):
     from jvllm.testing.mtp import load_reference, reference_drafts
-    from tests.e2e.test_eagle import speculated_like_plain
+    from tests.e2e.test_eagle import seeded_draws_alone_as_batched, speculated_like_plain
+    from tests.e2e.test_spec_decode import sampling_follows_target
 
     # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
     engine = {**ENGINE, "num_gpu_blocks_override": 9}
@@ -43,6 +45,9 @@ def test_mtp_drafts_match_transformers_and_outputs_match_plain_decoding(target):
     assert len(seen) > 60
     for sequence, drafts in seen[::4]:
         assert reference_drafts(hf, parts, sequence, len(drafts)) == drafts, sequence
+
+    seeded_draws_alone_as_batched(llm)
+    sampling_follows_target(llm, hf, 8, n=800)
 
 
 def test_mtp_method_names_and_refusals(target):
