@@ -175,7 +175,12 @@ class MultiModalProcessor:
             msg = f"the prompt does not fit its images: {e}"
             raise InvalidRequestError(msg, "prompt") from None
         ids = [int(t) for t in out["input_ids"][0]]
-        runs = _split_runs(_runs(ids, self.image_token_id), len(pil))
+        if "image_grid_thw" in out:  # images of any size: cut by each image's token count
+            merge = self.processor.merge_size
+            sizes = [t * h * w // merge**2 for t, h, w in out["image_grid_thw"].tolist()]
+            runs = _cut_runs(_runs(ids, self.image_token_id), sizes)
+        else:
+            runs = _split_runs(_runs(ids, self.image_token_id), len(pil))
         if len(runs) != len(pil):
             raise InvalidRequestError(
                 f"the prompt has {len(runs)} image placeholders "
@@ -192,6 +197,28 @@ class MultiModalProcessor:
         return text, ids, features
 
 
+def _cut_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[int, int]]:
+    """Runs of placeholders cut, in order, into one span per image of `sizes` tokens
+    (adjacent images of different sizes make one run); InvalidRequestError when the
+    placeholders do not fall into those spans."""
+    spans: list[tuple[int, int]] = []
+    pending = list(reversed(sizes))
+    for offset, length in runs:
+        while length > 0 and pending and pending[-1] <= length:
+            size = pending.pop()
+            spans.append((offset, size))
+            offset, length = offset + size, length - size
+        if length:
+            break
+    if pending or len(spans) != len(sizes) or sum(sizes) != sum(n for _, n in runs):
+        raise InvalidRequestError(
+            f"the prompt's image placeholders ({sum(n for _, n in runs)} tokens in "
+            f"{len(runs)} runs) do not match its {len(sizes)} images of {sizes} tokens",
+            "prompt",
+        )
+    return spans
+
+
 def _grid_features(
     out: dict[str, np.ndarray], runs: list[tuple[int, int]], merge: int
 ) -> tuple[MultiModalFeature, ...]:
@@ -203,8 +230,8 @@ def _grid_features(
         patches = out["pixel_values"][first : first + t * h * w][None]  # [1, P_i, D]
         first += t * h * w
         grid = (t, h // merge, w // merge)
-        assert length == t * h * w // merge**2, (length, grid)
-        ident = _image_hash(patches) + "".join(f"{g:04x}" for g in grid)
+        # The grid leads the hash: the prefix cache keys blocks on its first 16 digits.
+        ident = _image_hash(patches.reshape(t, h, w, -1))
         features.append(MultiModalFeature(ident, offset, length, patches, grid))
     return tuple(features)
 

@@ -126,18 +126,74 @@ def _rotate(x: jax.Array, cos: np.ndarray, sin: np.ndarray) -> jax.Array:
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-def block(
-    p: Params, spec: QwenVisionSpec, i: int, x: jax.Array, rope: tuple, mask: jax.Array
-) -> jax.Array:
-    """One block: x + attention(norm1(x)) within `mask` `[P, P]`, then + SwiGLU(norm2)."""
+Attend = Any  # (q, k, v) `[P, heads, hd]` each -> `[P, heads, hd]`
+FULL_CHUNK = 1024  # queries a step in full-attention blocks: scores [heads, 1024, P]
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax attention of `[B, Q, heads, hd]` queries over `[B, K, heads, hd]` keys
+    where `allowed` `[B, Q or 1, K]`; float32 scores."""
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    scores = jnp.where(allowed[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def windowed_attention(window_of_patch: np.ndarray) -> Attend:
+    """Attention within each window, the patches being in window order: windows padded
+    to the longest `W` and batched, so memory is `[windows, heads, W, W]`, linear in P."""
+    n = len(window_of_patch)
+    lengths = np.bincount(window_of_patch)
+    width = int(lengths.max())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    slot = np.arange(width)
+    index = np.where(slot < lengths[:, None], starts[:, None] + slot, n)  # [nw, W]; pad -> n
+    valid = index < n
+    rows = np.flatnonzero(valid.ravel())  # [P]: where each patch lands in [nw * W]
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        def windows(x: jax.Array) -> jax.Array:  # [P, h, d] -> [nw, W, h, d]
+            return jnp.concatenate([x, jnp.zeros_like(x[:1])])[index]
+
+        out = _attention(windows(q), windows(k), windows(v), jnp.asarray(valid)[:, None, :])
+        return out.reshape(-1, *q.shape[1:])[rows]
+
+    return attend
+
+
+def full_attention(frame_of_patch: np.ndarray) -> Attend:
+    """Attention within each frame (the whole image for images), queries taken
+    FULL_CHUNK at a time so the scores are `[heads, FULL_CHUNK, P]`."""
+    n = len(frame_of_patch)
+    chunk = min(n, FULL_CHUNK)
+    padded = -(-n // chunk) * chunk
+    frames = np.concatenate([frame_of_patch, np.full(padded - n, -1)]).astype(np.int32)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        key_frames = jnp.asarray(frame_of_patch, jnp.int32)
+        qs = jnp.concatenate([q, jnp.zeros((padded - n, *q.shape[1:]), q.dtype)])
+        qs = qs.reshape(-1, chunk, *q.shape[1:])  # [chunks, C, h, d]
+        q_frames = jnp.asarray(frames).reshape(-1, chunk)
+
+        def one(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+            qc, fc = args
+            allowed = (fc[:, None] == key_frames[None, :])[None]  # [1, C, P]
+            return _attention(qc[None], k[None], v[None], allowed)[0]
+
+        return jax.lax.map(one, (qs, q_frames)).reshape(padded, *q.shape[1:])[:n]
+
+    return attend
+
+
+def block(p: Params, spec: QwenVisionSpec, i: int, x: jax.Array, rope: tuple, attend: Attend):
+    """One block: x + attention(norm1(x)) (`attend`: windowed or full), then
+    + SwiGLU(norm2(x)). `x` `[P, hidden]`."""
     pre = f"blocks.{i}"
     n, heads, hd = x.shape[0], spec.num_heads, spec.head_dim
     qkv = linear(p, f"{pre}.attn.qkv", rms_norm(p, f"{pre}.norm1", x)).reshape(n, 3, heads, hd)
     q, k, v = _rotate(qkv[:, 0], *rope), _rotate(qkv[:, 1], *rope), qkv[:, 2]
-    scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32) * hd**-0.5  # [heads, P, P]
-    scores = jnp.where(mask[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    attn = jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * hd)
+    attn = attend(q, k, v).reshape(n, heads * hd)
     x = x + linear(p, f"{pre}.attn.proj", attn)
     h = rms_norm(p, f"{pre}.norm2", x)
     gate = activation_fn(spec.hidden_act, linear(p, f"{pre}.mlp.gate_proj", h))
@@ -160,14 +216,11 @@ def encode(p: Params, spec: QwenVisionSpec, pixels: jax.Array, grid: Grid) -> ja
     patch_order = (order[:, None] * u + np.arange(u)).ravel()  # [P]: patches window by window
     x = x[patch_order]
     cos, sin = rotary(spec, patch_positions(grid, spec.spatial_merge_size)[patch_order])
-    # [P, P] masks built in the program from [P] ids (as constants they would be P^2
-    # bytes each in the program text). Full attention is within a frame.
-    window = jnp.asarray(window_of_patch, jnp.int32)
-    frame = jnp.asarray(patch_order // (grid[1] * grid[2]), jnp.int32)
-    windowed, full = window[:, None] == window[None, :], frame[:, None] == frame[None, :]
+    windowed = windowed_attention(window_of_patch)
+    full = full_attention(patch_order // (grid[1] * grid[2]))
     for i in range(spec.depth):
-        mask = full if i in spec.fullatt_block_indexes else windowed
-        x = block(p, spec, i, x, (cos, sin), mask)
+        attend = full if i in spec.fullatt_block_indexes else windowed
+        x = block(p, spec, i, x, (cos, sin), attend)
     h = rms_norm(p, "merger.ln_q", x).reshape(n // u, -1)  # [P / u, D * u]
     h = activation("gelu", linear(p, "merger.mlp.0", h))
     out = linear(p, "merger.mlp.2", h)

@@ -23,8 +23,10 @@ import numpy as np
 
 from jvllm.engine.step_io import MultiModalFeature
 
-# Encoder outputs kept on the host (LRU): a request's chunks and a repeated image reuse them.
-ENCODER_CACHE_ENTRIES = 256
+# Encoder outputs kept on the host (LRU), bounded in embeddings as vLLM's encoder cache
+# (a 7B model's 3584-wide float32 rows: 470 MB): a request's chunks and a repeated image
+# reuse them; the newest image stays even when it alone is larger.
+ENCODER_CACHE_TOKENS = 32768
 
 
 class EncoderRunner:
@@ -37,6 +39,7 @@ class EncoderRunner:
         )
         self.mrope = hasattr(vision, "mrope_positions")  # 3-row rotary positions (M-RoPE)
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()  # hash -> [L, H] float32
+        self.cached_tokens = 0  # embeddings held in `cache`
         self.num_encoded = 0  # images run through the encoder
 
     def embeddings(self, feature: MultiModalFeature) -> np.ndarray:
@@ -59,8 +62,9 @@ class EncoderRunner:
             )
         self.num_encoded += 1
         self.cache[feature.identifier] = out
-        while len(self.cache) > ENCODER_CACHE_ENTRIES:
-            self.cache.popitem(last=False)
+        self.cached_tokens += out.shape[0]
+        while self.cached_tokens > ENCODER_CACHE_TOKENS and len(self.cache) > 1:
+            self.cached_tokens -= self.cache.popitem(last=False)[1].shape[0]
         return out
 
     def step_inputs(

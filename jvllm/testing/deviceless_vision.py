@@ -200,7 +200,7 @@ def main(argv: list[str]) -> None:
     rows = _rows(lambda n: check_vision_tower(LLAVA_7B, target, n), (1, 2, 8), "num_images")
     qwen = _rows(
         lambda hw: check_qwen_vision_tower(QWEN2_5_VL_7B, target, hw),
-        ((448, 448), (812, 476)),
+        ((448, 448), (812, 476), (1092, 1932)),
         "image_size",
     )
     report = {

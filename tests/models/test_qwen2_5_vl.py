@@ -152,6 +152,37 @@ def test_same_text_another_image_shares_no_image_block(llm: LLM, hf):
     assert kv.prefix_cache_hits - hits == 32  # same text, same image: both blocks
 
 
+def test_same_patches_on_another_grid_share_no_image_block(llm: LLM, hf):
+    """Two white images with the same patch count and patches (64 x 16: a 2 x 8 grid;
+    32 x 32: 4 x 4) differ only in their grid, hence in their M-RoPE positions."""
+    text = f"w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 {IMG} w30 w31"
+    wide = Image.new("RGB", (64, 16), (255, 255, 255))
+    square = Image.new("RGB", (32, 32), (255, 255, 255))
+    generate(llm, text, [wide])
+    kv = llm.engine.scheduler.kv_cache_manager
+    hits = kv.prefix_cache_hits
+    assert generate(llm, text, [square]) == hf_greedy(hf, text, [square])
+    assert kv.prefix_cache_hits - hits == 16  # the text's block only
+
+
+def test_adjacent_images_of_two_sizes_are_cut_by_their_grids(llm: LLM, hf):
+    """One run of placeholders for two images of 16 and 12 tokens (Transformers'
+    processor expands it; its model takes one vision_start per image, so the cut is
+    checked against the processor's grids and the request is served)."""
+    text = "w5 <|vision_start|><|image_pad|><|image_pad|><|vision_end|> w6"
+    images = [_image(20, (32, 32)), _image(21, (48, 16))]
+    inputs = hf_inputs(hf, text, images)
+    ids = inputs["input_ids"][0].tolist()
+    first = ids.index(hf[1].image_token_id)
+    sizes = [t * h * w // 4 for t, h, w in inputs["image_grid_thw"].tolist()]
+    assert sizes == [16, 12]
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    _, got_ids, features = llm.engine.mm_processor.process(prompt)
+    assert got_ids == ids
+    assert [(f.offset, f.length) for f in features] == [(first, 16), (first + 16, 12)]
+    assert len(generate(llm, text, images)) == MAX_TOKENS
+
+
 def test_bad_image_input_is_a_clear_error(llm: LLM):
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
