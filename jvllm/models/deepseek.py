@@ -16,7 +16,9 @@ and add `shared_experts`, a dense MLP every token runs. The router (`deepseek_ro
   `norm_topk_prob` and k > 1) or scales. Transformers' V2 class always scales and never
   renormalises: the two agree on every released V2 checkpoint (norm_topk_prob false).
 
-Not owned: the config fields (`models/deepseek_spec.py`), reading the expert tensors
+GLM-4.5 (`models/glm4_moe.py`) runs `DeepseekMoE` in its Llama-family decoder layers, its
+router in `spec.variant` (`routing_of`). Not owned: the config fields
+(`models/deepseek_spec.py`), reading the expert tensors
 (`models/expert_tensors.py`).
 """
 
