@@ -157,7 +157,7 @@ class ParallelConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "deepseek_mtp")
 # Other spellings vLLM accepts for a method.
-SPECULATIVE_ALIASES = {"mtp": "deepseek_mtp"}
+SPECULATIVE_ALIASES = {"mtp": "deepseek_mtp", "glm4_moe_mtp": "deepseek_mtp"}
 # The most draft tokens one row verifies (each costs a logits row of the step).
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = frozenset(
@@ -175,9 +175,9 @@ class SpeculativeConfig:
     for the target (`model`), which drafts from the target's hidden states (`"eagle3"`
     an EAGLE-3 head: three target layers fused, a draft vocabulary); `"medusa"`
     Medusa heads (`model`), each predicting one more token ahead from the target's hidden
-    state (at most their number of drafts); `"deepseek_mtp"` (or `"mtp"`) the target's own
-    multi-token prediction layer (DeepSeek-V3; `model` defaults to the target), reused
-    for every draft."""
+    state (at most their number of drafts); `"deepseek_mtp"` (or `"mtp"`,
+    `"glm4_moe_mtp"`) the target's own multi-token prediction layer (DeepSeek-V3,
+    GLM-4.5; `model` defaults to the target), reused for every draft."""
 
     method: str
     num_speculative_tokens: int

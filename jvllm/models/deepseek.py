@@ -16,7 +16,9 @@ and add `shared_experts`, a dense MLP every token runs. The router (`deepseek_ro
   `norm_topk_prob` and k > 1) or scales. Transformers' V2 class always scales and never
   renormalises: the two agree on every released V2 checkpoint (norm_topk_prob false).
 
-Not owned: the config fields (`models/deepseek_spec.py`), reading the expert tensors
+GLM-4.5 (`models/glm4_moe.py`) runs `DeepseekMoE` in its Llama-family decoder layers, its
+router in `spec.variant` (`routing_of`). Not owned: the config fields
+(`models/deepseek_spec.py`), reading the expert tensors
 (`models/expert_tensors.py`).
 """
 
@@ -73,6 +75,11 @@ def deepseek_route(
     return Routing(weights, experts.astype(jnp.int32))
 
 
+def routing_of(spec: ModelSpec) -> DeepseekRouting:
+    """The router of a DeepSeek spec (in `mla`) or of a GLM-4.5 one (in `variant`)."""
+    return spec.mla.routing if spec.mla is not None else spec.variant.routing
+
+
 class Router(nn.Module):
     """`mlp.gate`: `weight` `[E, H]` and (V3) `e_score_correction_bias` `[E]`."""
 
@@ -81,7 +88,7 @@ class Router(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> Routing:  # [T, H]
-        s, r = self.spec, self.spec.mla.routing
+        s, r = self.spec, routing_of(self.spec)
         e = s.moe.num_experts
         w = param(self, "weight", nn.initializers.normal(0.02), (e, s.hidden_size), self.dtype)
         logits = jnp.einsum(
@@ -106,7 +113,7 @@ class DeepseekMoE(nn.Module):
         s = self.spec
         routing = Router(s, self.dtype, name="gate")(x)
         out = Experts(s, self.dtype, self.mesh, self.backend, name="experts")(x, routing)
-        shared = s.mla.routing.num_shared_experts * s.moe.intermediate_size
+        shared = routing_of(s).num_shared_experts * s.moe.intermediate_size
         if shared:
             out = out + MLP(s, self.dtype, shared, name="shared_experts")(x)
         return out

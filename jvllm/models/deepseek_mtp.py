@@ -9,6 +9,8 @@ attention, and a MoE or dense MLP as the target's layer of that index would have
 on it. Its output (before any norm) is fed back as the hidden state of the next draft,
 so one layer drafts any number of tokens; `shared_head.norm` then the head score it.
 As vLLM's `DeepSeekMultiTokenPredictorLayer`, the embedding at position 0 is zeroed.
+GLM-4.5 (`models.glm4_moe`) stores its MTP layer the same way; its block is the
+target's own decoder layer (grouped-query attention, DeepSeek's MoE).
 
 Tensors read from the checkpoint: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, the
 decoder layer's own (`self_attn.*`, `mlp.*`, both layer norms), and, where the
@@ -31,12 +33,14 @@ from jax.sharding import Mesh
 from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.rotary import attention_scaling, inverse_frequencies, rotary_cos_sin
 from jvllm.models.deepseek import DeepseekDecoderLayer
-from jvllm.models.llama import Linear, LMHead, RMSNorm
+from jvllm.models.llama import DecoderLayer, Linear, LMHead, RMSNorm
 from jvllm.models.loader import LoadedModel, read_params, trace_inputs
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# GLM-4.5's MTP layer has the DeepSeek layout around its own decoder layer (grouped-query
+# attention, `models.glm4_moe`); vLLM calls it "glm4_moe_mtp".
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 class SharedHead(nn.Module):
@@ -65,13 +69,15 @@ class DeepseekMTP(nn.Module):
         self.enorm = RMSNorm(s.rms_norm_eps, self.dtype)
         self.hnorm = RMSNorm(s.rms_norm_eps, self.dtype)
         self.eh_proj = Linear(s.hidden_size, False, self.dtype)
-        self.mtp_block = DeepseekDecoderLayer(s, self.dtype, self.backend, layer_index=0)
+        block = DeepseekDecoderLayer if s.mla is not None else DecoderLayer  # GLM-4.5's
+        self.mtp_block = block(s, self.dtype, self.backend, layer_index=0)
         self.shared_head = SharedHead(s.vocab_size, s.rms_norm_eps, self.dtype, self.own_head)
         if self.own_embedding:
             self.embed_tokens = nn.Embed(
                 s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype
             )
-        self.inv_freq = inverse_frequencies(s.rope, s.mla.qk_rope_head_dim, s.rope_seq_len)
+        rope_dims = s.head_dim if s.mla is None else s.mla.qk_rope_head_dim
+        self.inv_freq = inverse_frequencies(s.rope, rope_dims, s.rope_seq_len)
 
     def __call__(
         self,
@@ -119,9 +125,10 @@ def mtp_spec(target: LoadedModel, where: str) -> tuple[ModelSpec, int]:
     checkpoint holds them) and its checkpoint index, num_hidden_layers."""
     config, spec = target.hf_config, target.spec
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in MTP_ARCHITECTURES or spec.mla is None:
+    if arch not in MTP_ARCHITECTURES:
         raise ValueError(
-            f"{where}: method 'deepseek_mtp' needs a DeepSeek-V3 target with MTP layers; "
+            f"{where}: method 'deepseek_mtp' needs a DeepSeek-V3 or GLM-4.5 target with MTP "
+            "layers; "
             f"{arch!r} is not one of {MTP_ARCHITECTURES}"
         )
     n_predict = int(config.get("num_nextn_predict_layers") or 0)
@@ -152,7 +159,7 @@ def load_mtp_layer(
     backend: str = "reference",
     mesh: Mesh | None = None,
 ) -> LoadedModel:
-    """The first MTP layer of the DeepSeek-V3 checkpoint at `path` (the target's own
+    """The first MTP layer of the DeepSeek-V3 or GLM-4.5 checkpoint at `path` (the target's own
     directory), in the target's dtype; errors name what is missing."""
     path = Path(path)
     where = f"speculative_config model {str(path)!r}"

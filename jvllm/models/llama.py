@@ -264,7 +264,8 @@ class DecoderLayer(nn.Module):
         )
         x = x + h
         if self.spec.is_sparse_layer(self.layer_index):
-            mlp = SparseMoeBlock(self.spec, self.dtype, self.mesh, self.backend, name="mlp")
+            block = getattr(self.spec.variant, "sparse_block", SparseMoeBlock)  # GLM-4.5's
+            mlp = block(self.spec, self.dtype, self.mesh, self.backend, name="mlp")
         else:
             mlp = MLP(self.spec, self.dtype, name="mlp")
         x = x + mlp(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))

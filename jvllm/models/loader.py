@@ -358,7 +358,8 @@ def _convert(array: np.ndarray | StackedExperts, dtype: jnp.dtype) -> np.ndarray
 
 def _check_unused(model_dir: Path, unused: set[str], spec: ModelSpec) -> None:
     unused = {n for n in unused if not n.endswith(_IGNORED_SUFFIXES)}
-    if spec.mla is not None:  # DeepSeek-V3's multi-token prediction layer (layers.61.*)
+    # DeepSeek-V3's and GLM-4.5's multi-token prediction layers (layers.61.*, layers.92.*)
+    if spec.mla is not None or getattr(spec.variant, "has_mtp_layers", False):
         unused = {n for n in unused if (_layer_of_name(n) or 0) < spec.num_layers}
     if spec.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some tied checkpoints store the copy anyway

@@ -11,6 +11,7 @@ import flax.linen as nn
 from jvllm.models.deepseek import DeepseekForCausalLM
 from jvllm.models.deepseek_spec import deepseek_spec
 from jvllm.models.gemma import GemmaForCausalLM, gemma_spec
+from jvllm.models.glm4_moe import glm4_moe_spec
 from jvllm.models.gpt_oss import GptOssForCausalLM, gpt_oss_spec
 from jvllm.models.llama import CausalLM
 from jvllm.models.llava import LlavaForConditionalGeneration, llava_spec
@@ -22,6 +23,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Glm4MoeForCausalLM": CausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": CausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
@@ -40,6 +42,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 _SPEC_READERS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
     "Gemma2ForCausalLM": gemma_spec,
     "Gemma3ForCausalLM": gemma_spec,
+    "Glm4MoeForCausalLM": glm4_moe_spec,
     "GptOssForCausalLM": gpt_oss_spec,
     "LlavaForConditionalGeneration": llava_spec,
     "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl_spec,

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 MTP layers in torch, built from Transformers' own modules: a test
+"""DeepSeek-V3 (and GLM-4.5) MTP layers in torch, built from Transformers' own modules: a test
 checkpoint and the reference drafts jvllm's MTP layer must reproduce.
 
 `make_mtp_checkpoint` saves a tiny random DeepseekV3ForCausalLM of num_hidden_layers + 1
@@ -26,13 +26,19 @@ def make_mtp_checkpoint(
     out_dir: str | Path, tokenizer_dir: str | Path, seed: int = 0, **overrides: Any
 ) -> Path:
     """A DeepSeek-V3 checkpoint of 2 decoder layers and one MTP layer (`model.layers.2`)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     out = Path(out_dir)
     make_variant_checkpoint(
         "deepseek_v3", out, tokenizer_dir, seed, num_hidden_layers=3, **overrides
     )
+    return add_mtp_layer(out, seed)
+
+
+def add_mtp_layer(out: Path, seed: int) -> Path:
+    """Declares the last decoder layer of the checkpoint at `out` its MTP layer's block
+    and adds the MTP layer's own tensors, perturbed away from any constant."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     config = json.loads((out / "config.json").read_text())
     n = config["num_hidden_layers"] - 1
     config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
@@ -59,6 +65,7 @@ def load_reference(checkpoint: str | Path) -> tuple[Any, dict[str, Any]]:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
     checkpoint = Path(checkpoint)
     target = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -76,7 +83,7 @@ def load_reference(checkpoint: str | Path) -> tuple[Any, dict[str, Any]]:
         "rotary": larger.model.rotary_emb,
     }
     for name in ("enorm", "hnorm", "shared_head.norm"):
-        norm = DeepseekV3RMSNorm(h, eps)
+        norm = (Glm4MoeRMSNorm if config.model_type == "glm4_moe" else DeepseekV3RMSNorm)(h, eps)
         norm.weight.data = state[f"{prefix}{name}.weight"].float()
         parts[name] = norm
     for name, shape in (("eh_proj", (2 * h, h)), ("shared_head.head", (h, config.vocab_size))):

@@ -67,5 +67,5 @@ def test_mtp_method_names_and_refusals(target):
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         load_mtp_layer(target, none)
     v2 = dataclasses.replace(loaded, hf_config={**loaded.hf_config, "architectures": ["X"]})
-    with pytest.raises(ValueError, match="DeepSeek-V3 target"):
+    with pytest.raises(ValueError, match="DeepSeek-V3 or GLM-4.5 target"):
         load_mtp_layer(target, v2)
