@@ -160,9 +160,11 @@ def pack_rows(
         table_rows = np.repeat(np.arange(n), widths)
         within = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
         tables[table_rows, within] = flat
-    tokens[:total] = np.fromiter(
-        itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
-    )
+    fed_back = prev >= 0  # [n]: the rows whose one token the device fills in
+    if total != n or not fed_back.all():  # else every token is a placeholder (async decode)
+        tokens[:total] = np.fromiter(
+            itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
+        )
     if total == n:
         # Every row one token (a decode step, no drafts): token i is row i's.
         seq_of_token, pos, firsts = np.arange(n), starts, np.arange(n)
@@ -177,7 +179,6 @@ def pack_rows(
     # Padding -> slot 0 of the null block.
     slots[:total] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
     prev_index[:] = -1  # [T]: -1, or a row of the previous step
-    fed_back = prev >= 0
     prev_index[firsts[fed_back]] = prev[fed_back]
     if shape.lora and lora_slots is not None:
         token_lora = _packed_parts(packed, shape)[8]  # [T]
