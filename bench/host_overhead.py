@@ -171,7 +171,8 @@ class NoDeviceRunner:
         # As ModelRunner counts them (input_batch.total_tokens).
         self.shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
         self.rows = rows
-        pack_rows(rows, self.shape, self.setup.args.block_size, scheduled.block_tables)
+        bs, tables = self.setup.args.block_size, scheduled.block_tables
+        pack_rows(rows, self.shape, bs, tables, None, scheduled.columns)
 
     def sample(self, sampling: Any) -> _Done:
         make_sampling_metadata(sampling.rows, self.shape.num_seqs)

@@ -20,7 +20,9 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+# slots: one of each is built per running request and step (no instance dict to
+# make and free).
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -34,7 +36,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -338,8 +338,7 @@ class LLMEngine:
 
     def _prepare(self, sched: SchedulerOutput) -> _Prepared:
         """The step's rows' states and the prompt tokens they score."""
-        rows = sched.scheduled
-        processor = self.output_processor
+        rows, processor = sched.scheduled, self.output_processor
         states = processor.states(rows)
         want_prompt = [False] * len(rows)
         if processor.num_scoring:
@@ -356,21 +355,22 @@ class LLMEngine:
         """Queues the sampler of the step whose forward was just queued."""
         if self.speculator is not None:
             self.speculator.resolve(step.sched.scheduled)
-        sampling_rows, bitmask = self._sampling(step.states, step.sched.scheduled)
+        sampling_rows, bitmask = self._sampling(step.states, step.sched)
         pending = self.runner.sample(StepSampling(sampling_rows, bitmask, step.targets))
         return _InFlight(step.sched, step.states, step.want_prompt, pending)
 
     def _sampling(
-        self, states: Sequence[SequenceState | Beam], rows: Sequence[ScheduledRequest]
+        self, states: Sequence[SequenceState | Beam], sched: SchedulerOutput
     ) -> tuple[SamplingColumns, np.ndarray | None]:
-        """The step's sampling columns from the persistent batch; a step with a token
-        mask or draft tokens builds every row whole (`step_sampling`)."""
+        """The step's sampling columns: the persistent batch's, or whole rows with a mask
+        or drafts (`step_sampling`)."""
+        rows, eos = sched.scheduled, self.eos_token_ids
         any_masked = self.output_processor.num_masked > 0
         drafts = self.speculator is not None and any(row.num_spec_tokens for row in rows)
         if not any_masked and not drafts:
-            return self.sampling_batch.columns(states, rows, self.eos_token_ids), None
+            return self.sampling_batch.columns(states, rows, eos, sched.columns), None
         sampling_rows, bitmask = step_sampling(
-            states, rows, self.eos_token_ids, any_masked, self.structured_outputs, self.vocab_size
+            states, rows, eos, any_masked, self.structured_outputs, self.vocab_size
         )
         return SamplingColumns.from_rows(sampling_rows), bitmask
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jvllm.engine.step_io import SamplingColumns, SamplingRow, ScheduledRequest
+from jvllm.engine.step_io import RowColumns, SamplingColumns, SamplingRow, ScheduledRequest
 from jvllm.engine.token_constraints import IDLE_ROW
 from jvllm.sampling_params import SAMPLER_CONSTANTS
 
@@ -32,36 +32,44 @@ class SamplingBatch:
     """Sampling columns by slot; `owners[slot]` is the state they were written for."""
 
     def __init__(self, num_slots: int = 64) -> None:
-        self.constants = np.zeros(num_slots, SAMPLER_CONSTANTS)  # [slots]
+        # [slots, fields] float64: each slot's SAMPLER_CONSTANTS record as plain numbers,
+        # so that a step's gather copies whole rows (a structured gather copies field
+        # by field, several times slower).
+        self.constants = np.zeros((num_slots, _NUM_CONSTANTS), np.float64)
         self.seeds = np.zeros(num_slots, np.int64)  # [slots]
         self.prompt_lens = np.zeros(num_slots, np.int64)  # [slots]
         self.needs_row = np.zeros(num_slots, bool)  # [slots]
         self.owners: list[object | None] = [None] * num_slots
 
     def columns(
-        self, states: Sequence[Any], rows: Sequence[ScheduledRequest], eos_token_ids: frozenset[int]
+        self,
+        states: Sequence[Any],
+        rows: Sequence[ScheduledRequest],
+        eos_token_ids: frozenset[int],
+        row_columns: RowColumns | None = None,
     ) -> SamplingColumns:
         """The step's sampling columns, one per row (none may verify drafts): a row that
-        samples nothing, or whose sequence finished since it was scheduled, is idle."""
+        samples nothing, or whose sequence finished since it was scheduled, is idle.
+        `row_columns`: the rows' columns, when the caller has them."""
+        cols = RowColumns.of(rows) if row_columns is None else row_columns
         n = len(rows)
-        slots = np.fromiter(map(_TABLE_ROW, rows), np.int64, n)  # [n]
+        slots = cols.table_rows  # [n]
         self._claim(slots.tolist(), states)
-        samples = np.fromiter(map(_SAMPLES, rows), bool, n)
         finished = np.fromiter(map(_FINISHED, states), bool, n)
-        ends = np.fromiter(map(_START, rows), np.int64, n)
-        ends += np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, n)
-        active = samples & ~finished  # [n]
-        constants = self.constants[slots]
+        active = cols.samples & ~finished  # [n]
+        constants = self.constants[slots]  # [n, fields]
         constants[~active] = _IDLE_CONSTANTS
         seeds = np.where(active, self.seeds[slots], 0)
+        ends = cols.start_positions + cols.num_tokens
         step_index = np.where(active, ends - self.prompt_lens[slots], 0)
         special: dict[int, SamplingRow] = {}
         for i in np.flatnonzero(active & self.needs_row[slots]).tolist():
             row = special[i] = states[i].sampling_row(eos_token_ids, rows[i])
             # As the row says (a beam samples with its own parameters).
-            constants[i] = np.frombuffer(row.params.sampler_constants, SAMPLER_CONSTANTS)[0]
+            constants[i] = _record(row.params.sampler_constants)
             seeds[i], step_index[i] = row.seed, row.step_index
-        return SamplingColumns(constants, seeds, step_index, special)
+        records = constants.view(SAMPLER_CONSTANTS).reshape(n)  # [n] records, no copy
+        return SamplingColumns(records, seeds, step_index, special)
 
     def _claim(self, slots: list[int], states: Sequence[Any]) -> None:
         """(Re)writes the slots whose owner is not the state scheduled there now."""
@@ -76,7 +84,7 @@ class SamplingBatch:
         request = state.request
         params = request.sampling_params
         self.owners[slot] = state
-        self.constants[slot] = np.frombuffer(params.sampler_constants, SAMPLER_CONSTANTS)[0]
+        self.constants[slot] = _record(params.sampler_constants)
         self.prompt_lens[slot] = request.num_prompt_tokens
         self.needs_row[slot] = not state.plain_sampling
         self.seeds[slot] = state.seed if state.plain_sampling else 0
@@ -85,15 +93,18 @@ class SamplingBatch:
         old = len(self.owners)
         for name in ("constants", "seeds", "prompt_lens", "needs_row"):
             column = getattr(self, name)
-            grown = np.zeros(num_slots, column.dtype)
+            grown = np.zeros((num_slots, *column.shape[1:]), column.dtype)
             grown[:old] = column
             setattr(self, name, grown)
         self.owners += [None] * (num_slots - old)
 
 
-_IDLE_CONSTANTS = np.frombuffer(IDLE_ROW.params.sampler_constants, SAMPLER_CONSTANTS)[0]
-_TABLE_ROW = operator.attrgetter("table_row")
-_SAMPLES = operator.attrgetter("samples")
+def _record(constants: bytes) -> np.ndarray:
+    """A `SAMPLER_CONSTANTS` record's bytes as its fields' float64 numbers `[fields]`."""
+    return np.frombuffer(constants, np.float64)
+
+
+_NUM_CONSTANTS = len(SAMPLER_CONSTANTS.names)
+assert np.dtype([(f, np.float64) for f in SAMPLER_CONSTANTS.names]) == SAMPLER_CONSTANTS
+_IDLE_CONSTANTS = _record(IDLE_ROW.params.sampler_constants)
 _FINISHED = operator.attrgetter("finished")
-_START = operator.attrgetter("start_position")
-_TOKEN_IDS = operator.attrgetter("token_ids")

@@ -22,6 +22,7 @@ that step is committed, between the two calls.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -56,6 +57,43 @@ class ScheduledRequest(NamedTuple):
     num_spec_tokens: int = 0
     # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
     table_row: int = -1
+
+
+class RowColumns(NamedTuple):
+    """A step's rows as columns (entry i is `scheduled[i]`'s): what both the runner's
+    packing (`pack_rows`) and the engine's sampling batch read of every row, taken
+    from the rows once per step (`SchedulerOutput.columns`)."""
+
+    num_tokens: np.ndarray  # [n] int64: len(token_ids)
+    start_positions: np.ndarray  # [n] int64
+    table_rows: np.ndarray  # [n] int64 (-1: none)
+    prev_step_rows: np.ndarray  # [n] int64 (-1: none)
+    samples: np.ndarray  # [n] bool
+
+    @classmethod
+    def of(cls, rows: Sequence[ScheduledRequest], with_samples: bool = True) -> RowColumns:
+        """The rows' columns; `samples` all False without `with_samples` (rows that do
+        not say, as the runner's pieces of rows cut between micro-batches)."""
+        n = len(rows)
+        # map() over attrgetters: C-level loops, no generator frame per column.
+        try:  # a decode step: every row feeds back a previous row's token
+            prev = np.fromiter(map(_PREV_STEP_ROW, rows), np.int64, n)
+        except TypeError:  # some row has none
+            prev = np.array([-1 if p is None else p for p in map(_PREV_STEP_ROW, rows)], np.int64)
+        return cls(
+            np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, n),
+            np.fromiter(map(_START, rows), np.int64, n),
+            np.fromiter(map(_TABLE_ROW, rows), np.int64, n),
+            prev,
+            np.fromiter(map(_SAMPLES, rows), bool, n) if with_samples else np.zeros(n, bool),
+        )
+
+
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_START = operator.attrgetter("start_position")
+_TABLE_ROW = operator.attrgetter("table_row")
+_PREV_STEP_ROW = operator.attrgetter("prev_step_row")
+_SAMPLES = operator.attrgetter("samples")
 
 
 class MultiModalFeature(NamedTuple):
@@ -95,6 +133,11 @@ class SchedulerOutput:
     # PLACEHOLDER_TOKEN there until the engine reads the proposal), set by the engine
     # (`engine/spec_in_flight.py`); the forward reads the drafts on the device.
     draft_sources: np.ndarray | None = None  # [total draft tokens] int32
+
+    @functools.cached_property
+    def columns(self) -> RowColumns:
+        """`scheduled` as columns, taken once however many read them."""
+        return RowColumns.of(self.scheduled)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm.engine.step_io import RowColumns
 from jvllm.layers.attention import AttentionMetadata
 
 
@@ -117,83 +118,76 @@ def pack_rows(
     block_size: int,
     block_tables: np.ndarray | None = None,
     lora_slots: np.ndarray | None = None,
+    columns: RowColumns | None = None,
 ) -> np.ndarray:
     """All int32 metadata of one step in one flat buffer, in `unpack`'s order. With
     `block_tables` (the scheduler's persistent array, `SchedulerOutput.block_tables`)
     each row's table is row `table_row` of it: one gather, not a conversion of every
     entry of every `block_table`. With `shape.lora`, each token's LoRA slot follows,
-    from `lora_slots` `[n]` (one per row; None: the base model's 0).
+    from `lora_slots` `[n]` (one per row; None: the base model's 0). `columns`: the
+    rows' `RowColumns` when the caller has them (`SchedulerOutput.columns`).
 
     Vectorised over rows: the per-step host cost matters at hundreds of sequences.
     """
     t_pad, s_pad, w = shape.num_tokens, shape.num_seqs, shape.width
     n = len(rows)
     assert n <= s_pad
-    # map() over attrgetters: C-level loops, no generator frame per column.
-    lens = np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, n)
-    starts = np.fromiter(map(_START, rows), np.int64, n)
+    cols = RowColumns.of(rows, with_samples=False) if columns is None else columns
+    lens, starts, prev = cols.num_tokens, cols.start_positions, cols.prev_step_rows
     total = int(lens.sum())
     assert total <= t_pad, (total, t_pad)
-    qsl = np.full(s_pad + 1, total, np.int32)
-    qsl[0] = 0
-    qsl[1 : n + 1] = np.cumsum(lens)
-    seq_lens = np.zeros(s_pad, np.int32)
+    # Every part is a view of the one buffer (`unpack`'s order): no concatenation.
+    packed = np.zeros(sum(_packed_sizes(shape)), np.int32)
+    tokens, positions, slots, qsl, seq_lens, flat_tables, logits_indices, prev_index = (
+        _packed_parts(packed, shape)[:8]
+    )
+    qsl[n + 1 :] = total
+    np.cumsum(lens, out=qsl[1 : n + 1])
     seq_lens[:n] = starts + lens
-    tables = np.zeros((s_pad, w), np.int32)
+    tables = flat_tables.reshape(s_pad, w)  # [S, W]
     if block_tables is not None:
         # Zero past each table's end, and no table is wider than max_model_len's.
         assert block_tables.shape[1] <= w, (block_tables.shape, w)
-        table_rows = np.fromiter(map(_TABLE_ROW, rows), np.int64, n)
+        table_rows = cols.table_rows
         assert (table_rows >= 0).all(), "every row needs its table_row"
         tables[:n, : block_tables.shape[1]] = block_tables[table_rows]
     else:
         widths = np.fromiter(map(len, map(_TABLE, rows)), np.int64, n)
         assert (widths <= w).all(), (widths.max(initial=0), w)
-        flat_tables = np.fromiter(
+        flat = np.fromiter(
             itertools.chain.from_iterable(map(_TABLE, rows)), np.int32, int(widths.sum())
         )
         table_rows = np.repeat(np.arange(n), widths)
-        within = np.arange(len(flat_tables)) - np.repeat(np.cumsum(widths) - widths, widths)
-        tables[table_rows, within] = flat_tables
-    tokens = np.zeros(t_pad, np.int32)
-    tokens[:total] = np.fromiter(
-        itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
-    )
-    try:  # a decode step: every row feeds back a previous row's token (a C-level loop)
-        prev = np.fromiter(map(_PREV_STEP_ROW, rows), np.int64, n)
-    except TypeError:  # some row has none
-        prev = np.array([-1 if p is None else p for p in map(_PREV_STEP_ROW, rows)], np.int64)
+        within = np.arange(len(flat)) - np.repeat(np.cumsum(widths) - widths, widths)
+        tables[table_rows, within] = flat
+    fed_back = prev >= 0  # [n]: the rows whose one token the device fills in
+    if total != n or not fed_back.all():  # else every token is a placeholder (async decode)
+        tokens[:total] = np.fromiter(
+            itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
+        )
     if total == n:
         # Every row one token (a decode step, no drafts): token i is row i's.
         seq_of_token, pos, firsts = np.arange(n), starts, np.arange(n)
-        logits_indices = np.full(shape.logits_rows, max(n - 1, 0), np.int32)
+        logits_indices[:] = max(n - 1, 0)
         logits_indices[:n] = firsts
     else:
         seq_of_token = np.repeat(np.arange(n), lens)
         pos = np.arange(total) - np.repeat(qsl[:n].astype(np.int64), lens) + starts[seq_of_token]
         firsts = qsl[:n]
-        logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
-    positions = np.zeros(t_pad, np.int32)
+        logits_indices[:] = _logits_indices(rows, qsl, shape.logits_rows)
     positions[:total] = pos
-    slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
+    # Padding -> slot 0 of the null block.
     slots[:total] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
-    prev_index = np.full(t_pad, -1, np.int32)  # [T]: -1, or a row of the previous step
-    fed_back = prev >= 0
+    prev_index[:] = -1  # [T]: -1, or a row of the previous step
     prev_index[firsts[fed_back]] = prev[fed_back]
-    parts = [tokens, positions, slots, qsl, seq_lens, tables.ravel(), logits_indices, prev_index]
-    if shape.lora:
-        token_lora = np.zeros(t_pad, np.int32)  # [T]
-        if lora_slots is not None:
-            token_lora[:total] = np.repeat(lora_slots, lens)
-        parts.append(token_lora)
-    return np.concatenate(parts)
+    if shape.lora and lora_slots is not None:
+        token_lora = _packed_parts(packed, shape)[8]  # [T]
+        token_lora[:total] = np.repeat(lora_slots, lens)
+    return packed
 
 
 _TOKEN_IDS = operator.attrgetter("token_ids")
-_START = operator.attrgetter("start_position")
 _TABLE = operator.attrgetter("block_table")
-_TABLE_ROW = operator.attrgetter("table_row")
-_PREV_STEP_ROW = operator.attrgetter("prev_step_row")
 _NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 
@@ -229,6 +223,13 @@ def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -
 def _packed_sizes(shape: BatchShape) -> list[int]:
     t, s, w = shape.num_tokens, shape.num_seqs, shape.width
     return [t, t, t, s + 1, s, s * w, shape.logits_rows, t] + ([t] if shape.lora else [])
+
+
+def _packed_parts(packed: np.ndarray, shape: BatchShape) -> list[np.ndarray]:
+    """Views of `pack_rows`' buffer, one per part (`_packed_sizes`)."""
+    bounds = itertools.accumulate(_packed_sizes(shape), initial=0)
+    ends = list(bounds)
+    return [packed[a:b] for a, b in itertools.pairwise(ends)]
 
 
 def unpack(packed: jax.Array, shape: BatchShape, last_sampled: jax.Array) -> ModelInput:

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jvllm.config import CacheConfig, SchedulerConfig
-from jvllm.engine.step_io import DraftRow, SchedulerOutput, StepSampling
+from jvllm.engine.step_io import DraftRow, RowColumns, SchedulerOutput, StepSampling
 from jvllm.layers import sampler
 from jvllm.lora.config import LoRAConfig
 from jvllm.models.kv_groups import hybrid_sliding_window, num_kv_arrays
@@ -314,6 +314,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         lora_slots: np.ndarray | None = None,
         mm_features: dict | None = None,
         draft_feed: bool = False,
+        columns: RowColumns | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BatchShape]:
         num_tokens = total_tokens(rows)
         if self.pp > 1:
@@ -324,7 +325,7 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             self.pipeline_load[1] += capacity
         else:
             shape = shape or self.batch_shape(num_tokens)
-            packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots)
+            packed = pack_rows(rows, shape, self.block_size, block_tables, lora_slots, columns)
             if draft_feed:  # draft tokens read on the device from the last proposal
                 feed_draft_tokens(packed, shape, rows)
         self.token_slots[0] += num_tokens
@@ -342,14 +343,13 @@ class ModelRunner(StartUp, Launches, LoRARunner):
             self._launch_copy(np.array(chunk, np.int32).T)
 
     def forward(self, scheduled: SchedulerOutput) -> None:
-        """Queues the model over the step's rows and returns without waiting; its
-        logits stay on the device for `sample`. Each row's block table is read from
-        `scheduled.block_tables` (the scheduler's persistent array) at its `table_row`."""
+        """Queues the model over the step's rows and returns without waiting (its logits
+        stay on the device for `sample`); tables from `block_tables` at each `table_row`."""
         rows, tables, sources = scheduled.scheduled, scheduled.block_tables, scheduled.draft_sources
         if sources is not None:
             self._launch_place_drafts(sources)
-        mm = scheduled.mm_features
-        self._run_forward(rows, None, tables, scheduled.lora_slots, mm, sources is not None)
+        mm, feed = scheduled.mm_features, sources is not None
+        self._run_forward(rows, None, tables, scheduled.lora_slots, mm, feed, scheduled.columns)
         self._forward_rows = rows
 
     def sample(self, sampling: StepSampling) -> PendingStep:

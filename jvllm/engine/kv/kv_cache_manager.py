@@ -128,25 +128,25 @@ class KVCacheManager:
         return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size, host_hits)
 
     def allocate_slot(self, request: Request) -> bool:
-        """`allocate_slots(request, 1)`, for a decode row: its common cases checked first,
-        the token landing in the request's own last block, or starting a new block."""
-        if not self.num_lookahead_tokens:
-            if self._fill_own_last_block(request, 1, 0):
-                return True
-            table = self._block_tables.get(request.request_id)
-            computed = request.num_computed_tokens
-            if table and computed == len(table) * self.block_size:
-                # Once in block_size steps: one fresh block appended to the table and its
-                # array row (no whole-row rewrite), nothing shared to copy.
-                if not self.block_pool.num_free_blocks:
-                    return False
-                (block,) = self.block_pool.allocate(1)
-                table.append(block)
-                self.table_array.append(request.request_id, block)
-                if self.enable_prefix_caching and (computed + 1) % self.block_size == 0:
-                    self._register_full_blocks(request, table, computed + 1)
-                return True
-        return self.allocate_slots(request, 1)
+        """`allocate_slots(request, 1)` for a decode row, its common cases in one call."""
+        table = self._block_tables.get(request.request_id)
+        if self.num_lookahead_tokens or not table:
+            return self.allocate_slots(request, 1)
+        computed, block_size = request.num_computed_tokens, self.block_size
+        offset = computed - (len(table) - 1) * block_size  # within the last block
+        if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
+            if self.enable_prefix_caching and offset == block_size - 1:  # it fills it
+                self._register_full_blocks(request, table, computed + 1)
+            return True  # `_fill_own_last_block`'s case: nothing allocated or copied
+        if offset != block_size or not self.block_pool.num_free_blocks:
+            return self.allocate_slots(request, 1)  # copy-on-write, or no block to take
+        # Once in block_size steps: a fresh block, appended (no whole-row rewrite).
+        (block,) = self.block_pool.allocate(1)
+        table.append(block)
+        self.table_array.append(request.request_id, block)
+        if self.enable_prefix_caching and block_size == 1:
+            self._register_full_blocks(request, table, computed + 1)
+        return True
 
     def allocate_slots(
         self,
