@@ -70,7 +70,15 @@ def test_two_api_servers_and_two_engines_equal_transformers(env):
     url = env.server.url
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: complete(url, p), env.prompts * 2))
-    for result, sample in zip(results, env.expected * 2, strict=True):
+    samples = env.expected * 2
+    # The server answers once one API server listens; the other may still be starting
+    # and take no connection of the first batch: a few more, until both have served.
+    for _ in range(40):
+        if all(f"ApiServer_{i} Received request" in env.server.log() for i in (0, 1)):
+            break
+        results.append(complete(url, env.prompts[0]))
+        samples.append(env.expected[0])
+    for result, sample in zip(results, samples, strict=True):
         expected = sample[0][result.usage.prompt_tokens :]
         tokens = result.choices[0].logprobs.tokens
         assert [int(t.removeprefix("token_id:")) for t in tokens] == expected
@@ -223,12 +231,19 @@ def test_api_servers_balance_on_the_coordinators_one_view(env):
 def test_abort_frees_every_engines_blocks(env):
     url = env.server.url
     body = {"prompt": env.prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    for _ in range(2):  # one stream per engine (the balancer sends the second elsewhere)
-        with (
-            httpx.Client(base_url=url, timeout=60) as client,
-            client.stream("POST", "/v1/completions", json=body) as response,
-        ):
+    prompt_before = engine_samples(url, "vllm:prompt_tokens_total")
+    generated_before = sum(engine_samples(url, "vllm:generation_tokens_total").values())
+    # Two streams open at once, so that the balancer puts them on different engines.
+    with (
+        httpx.Client(base_url=url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as first,
+        httpx.Client(base_url=url, timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=body) as second,
+    ):
+        for response in (first, second):
             assert next(response.iter_lines()).startswith("data: ")
+    prompt_after = engine_samples(url, "vllm:prompt_tokens_total")
+    assert all(prompt_after[e] > prompt_before.get(e, 0) for e in ("0", "1")), prompt_after
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         usage = engine_samples(url, "vllm:kv_cache_usage_perc")
@@ -237,6 +252,8 @@ def test_abort_frees_every_engines_blocks(env):
             break
         time.sleep(0.1)
     assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
+    generated = sum(engine_samples(url, "vllm:generation_tokens_total").values())
+    assert generated - generated_before < 2 * 200  # both ended early, by the abort
 
 
 def test_killed_engine_core_fails_requests_names_it_and_leaves_nothing(env):
