@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -66,6 +67,16 @@ def headless_cores(headless: ServerProcess) -> list[tuple[int, int]]:
     found = re.search(r"engine cores \[([^\]]*)\] \(pids \[([^\]]*)\]\) serving", headless.log())
     ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", found.group(1))]
     return list(zip(ports, [int(p) for p in found.group(2).split(",")], strict=True))
+
+
+def wait_running(url: str, count: int) -> dict[str, float]:
+    """Each engine's running requests, once `count` run in all (or after 30 s)."""
+    running: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while sum(running.values()) < count and time.monotonic() < deadline:
+        running = engine_samples(url, "vllm:num_requests_running")
+        time.sleep(0.05)
+    return running
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +171,27 @@ def test_outputs_equal_transformers_on_the_local_and_the_remote_core(env):
 
 
 def test_abort_frees_both_cores_blocks(env):
+    """Two streams opened at once, one on each core (the second goes to the idle one),
+    closed after their first chunk: both cores stop them early and free every block."""
     url = env.head.url
-    body = {"prompt": env.prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    for _ in range(2):  # one stream per core (the balancer sends the second elsewhere)
+    prompt, max_tokens = env.prompts[0], 200
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    families = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+    before = [engine_samples(url, f) for f in families]
+    opened = threading.Barrier(2)
+
+    def first_chunk() -> str:
+        """Opens a stream with the other one, and closes it after its first chunk."""
         with (
             httpx.Client(base_url=url, timeout=60) as client,
             client.stream("POST", "/v1/completions", json=body) as response,
         ):
-            assert next(response.iter_lines()).startswith("data: ")
+            opened.wait(30)
+            return next(response.iter_lines())
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        chunks = list(pool.map(lambda _: first_chunk(), range(2)))
+    assert all(chunk.startswith("data: ") for chunk in chunks), chunks
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         usage = engine_samples(url, "vllm:kv_cache_usage_perc")
@@ -176,6 +200,12 @@ def test_abort_frees_both_cores_blocks(env):
             break
         time.sleep(0.1)
     assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
+    prompt_tokens, generated = (
+        {e: engine_samples(url, f)[e] - was[e] for e in was}
+        for f, was in zip(families, before, strict=True)
+    )
+    assert prompt_tokens == {"0": len(prompt), "1": len(prompt)}, prompt_tokens
+    assert max(generated.values()) < max_tokens, generated
 
 
 def test_sigterm_on_the_head_drains_both_cores_and_stops_the_headless(env):
@@ -195,12 +225,7 @@ def test_sigterm_on_the_head_drains_both_cores_and_stops_the_headless(env):
                 return [line for line in response.iter_lines() if line.startswith("data: ")]
 
         futures = [pool.submit(stream) for _ in range(2)]
-        running = {}
-        deadline = time.monotonic() + 30
-        while sum(running.values()) < 2 and time.monotonic() < deadline:
-            running = engine_samples(head.url, "vllm:num_requests_running")
-            time.sleep(0.05)
-        assert running == {"0": 1.0, "1": 1.0}, running
+        assert wait_running(head.url, 2) == {"0": 1.0, "1": 1.0}
         head.proc.send_signal(signal.SIGTERM)
         for future in futures:
             events = [json.loads(line[6:]) for line in future.result() if line != "data: [DONE]"]
