@@ -10,7 +10,9 @@ death), and the drain on SIGTERM: front ends finish their requests, then the cor
 stop, exit 0. With `--api-server-count N > 1` this process only supervises: N front-end
 processes listen on one port (SO_REUSEPORT; the kernel spreads connections) and each
 talks to every core; with several cores too, it runs the DP coordinator that gives the
-front ends one view of the cores' loads. What a front end serves is `launch.serve_frontend`'s.
+front ends one view of the cores' loads. With ranks on other hosts, the head waits for
+their headless processes to register and a `--headless` process runs only its cores
+(`engine/core/hosts.py`). What a front end serves is `launch.serve_frontend`'s.
 """
 
 from __future__ import annotations
