@@ -2,10 +2,11 @@
 `launch_core_engines` and `CoreEngineProcManager`).
 
 Owns the processes: one per local data-parallel rank, started with `spawn` (no jax state
-is inherited), each given its slice of the accelerators (`CUDA_VISIBLE_DEVICES`: rank r
-of tensor x pipeline size n gets devices r*n .. r*n+n-1; a CPU ignores it), its ipc
-socket in a private directory (or a TCP port, for a head on another host), and stopped with SIGTERM then SIGKILL. Not owned: the
-messages (`messages.py`), the client (`client.py`), whether to split (`env.py`), HTTP.
+is inherited), each given its slice of the accelerators (`CUDA_VISIBLE_DEVICES`: local
+rank r of tensor x pipeline size n gets devices r*n .. r*n+n-1; a CPU ignores it), its
+ipc socket in a private directory (or a TCP port, for a head on another host), and
+stopped with SIGTERM then SIGKILL. Not owned: the messages (`messages.py`), the client
+(`client.py`), whether to split (`env.py`), the handshake across hosts (`hosts.py`), HTTP.
 """
 
 from __future__ import annotations
