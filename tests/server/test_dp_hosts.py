@@ -209,30 +209,39 @@ def test_abort_frees_both_cores_blocks(env):
 
 
 def test_sigterm_on_the_head_drains_both_cores_and_stops_the_headless(env):
-    """In-flight requests on both cores finish; then the head tells the headless process
-    to stop: both exit 0, no process or port left."""
+    """Two requests in flight, one on each core (as in the abort test), when the head gets
+    SIGTERM: both finish whole; then the head tells the headless process to stop: both
+    exit 0, no process or port left."""
     head, headless = env.head, env.headless
     processes = descendants(head.proc.pid) + descendants(headless.proc.pid)
     ports = [env.port, *(port for port, _ in headless_cores(headless))]
-    body = {"prompt": env.prompts[1], "max_tokens": 40, "ignore_eos": True, "stream": True}
+    max_tokens = 250  # the prompt's 3 tokens + 250 <= max_model_len 256
+    body = {"prompt": env.prompts[0], "max_tokens": max_tokens, "ignore_eos": True}
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    opened = threading.Barrier(3)
+
+    def stream() -> list[dict]:
+        with (
+            httpx.Client(base_url=head.url, timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=body | streamed) as response,
+        ):
+            opened.wait(30)  # both requests added: the main thread signals the head
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        return [json.loads(line) for line in lines]
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-
-        def stream() -> list[str]:
-            with (
-                httpx.Client(base_url=head.url, timeout=60) as client,
-                client.stream("POST", "/v1/completions", json=body) as response,
-            ):
-                return [line for line in response.iter_lines() if line.startswith("data: ")]
-
         futures = [pool.submit(stream) for _ in range(2)]
-        assert wait_running(head.url, 2) == {"0": 1.0, "1": 1.0}
+        opened.wait(30)
         head.proc.send_signal(signal.SIGTERM)
         for future in futures:
-            events = [json.loads(line[6:]) for line in future.result() if line != "data: [DONE]"]
-            assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 0
-            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            events = future.result()
+            finishes = [c["finish_reason"] for e in events for c in e["choices"]]
+            assert finishes[-1] == "length", events[-2:]
+            assert events[-1]["usage"]["completion_tokens"] == max_tokens
     assert head.wait_exit(60) == 0
+    assert re.search(r"waiting up to \d+ s for 2 in flight", head.log()), head.log()[-3000:]
     assert headless.wait_exit(30) == 0
+    assert "the head said stop" in headless.log()
     assert not left_alive(processes)
     assert all(port_free(p) for p in ports), ports
 
