@@ -105,11 +105,13 @@ def add_process_flags(parser: argparse.ArgumentParser) -> None:
         "--data-parallel-size", "-dp", type=int, default=1, help="engine cores (replicas)"
     )
     group.add_argument(
-        "--data-parallel-size-local", type=int, default=None, help="DP ranks on this host"
+        "--data-parallel-size-local", "-dpl", type=int, default=None, help="DP ranks on this host"
     )
-    group.add_argument("--data-parallel-address", default=None, help="DP coordinator address")
     group.add_argument(
-        "--data-parallel-rpc-port", type=int, default=None, help="the head's DP handshake port"
+        "--data-parallel-address", "-dpa", default=None, help="the DP head's address"
+    )
+    group.add_argument(
+        "--data-parallel-rpc-port", "-dpp", type=int, default=None, help="the DP head's port"
     )
     group.add_argument(
         "--data-parallel-start-rank", "-dpr", type=int, default=None,
