@@ -272,7 +272,8 @@ def _register(head: Any, dp: Any) -> Welcome:
         raise RuntimeError(
             f"no data-parallel head answered at {dp.handshake_address} within {timeout:g} s "
             "(JVLLM_DP_HANDSHAKE_TIMEOUT_S): start the head (`jvllm serve` with the same "
-            "--data-parallel-address and --data-parallel-rpc-port) and check the address"
+            "--data-parallel-address and --data-parallel-rpc-port) and check the address; a "
+            "head serving already (every rank registered) takes no more"
         )
     welcome = _decoder.decode(head.recv())
     if not isinstance(welcome, Welcome):
