@@ -10,7 +10,9 @@ death), and the drain on SIGTERM: front ends finish their requests, then the cor
 stop, exit 0. With `--api-server-count N > 1` this process only supervises: N front-end
 processes listen on one port (SO_REUSEPORT; the kernel spreads connections) and each
 talks to every core; with several cores too, it runs the DP coordinator that gives the
-front ends one view of the cores' loads. What a front end serves is `launch.serve_frontend`'s.
+front ends one view of the cores' loads. With ranks on other hosts, the head waits for
+their headless processes to register and a `--headless` process runs only its cores
+(`engine/core/hosts.py`). What a front end serves is `launch.serve_frontend`'s.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def split_refusal(engine_args: Any, processes: ProcessConfig | None) -> str | No
     from jvllm.engine_args import pooling_task
 
     processes = processes or ProcessConfig()
-    needs_split = processes.api_server_count > 1 or processes.data_parallel.data_parallel_size > 1
+    dp = processes.data_parallel
+    needs_split = processes.api_server_count > 1 or dp.data_parallel_size > 1 or dp.multi_host
     choice, cpus = multiprocessing_choice(), usable_cpus()
     reason = None
     if choice is False:
@@ -61,7 +64,9 @@ def split_refusal(engine_args: Any, processes: ProcessConfig | None) -> str | No
             "JVLLM_ENABLE_V1_MULTIPROCESSING=1 splits it anyway"
         )
     if reason is not None and needs_split:
-        raise ValueError(f"--api-server-count and --data-parallel-size need the split: {reason}")
+        raise ValueError(
+            f"--api-server-count, --data-parallel-size and --headless need the split: {reason}"
+        )
     return reason
 
 
@@ -70,21 +75,23 @@ def run_split_server(
 ) -> int:
     """Starts the cores, serves (here, or in N front-end processes), stops the cores."""
     from jvllm.engine.core.coordinator import DPCoordinator
-    from jvllm.engine.core.launcher import EngineCoreProcs
+    from jvllm.engine.core.hosts import run_headless
 
     processes = processes or ProcessConfig()
-    num_cores = processes.data_parallel.data_parallel_size
+    dp = processes.data_parallel
+    if dp.headless:
+        return run_headless(engine_args, dp)
+    num_cores = dp.data_parallel_size
     # Until uvicorn takes the signals over: SIGTERM while the cores start stops them too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # Several API servers balancing over several cores share one view of their loads.
     shared = processes.api_server_count > 1 and num_cores > 1
-    coordinator = DPCoordinator(num_cores) if shared else None
+    remote_host = dp.data_parallel_address if dp.multi_host else None
+    coordinator = DPCoordinator(num_cores, remote_host) if shared else None
     if coordinator is not None:
         logger.info("DP coordinator: loads published on %s", coordinator.output_address)
     try:
-        cores = EngineCoreProcs(
-            engine_args, num_cores, coordinator.input_address if coordinator else None
-        )
+        cores = _start_cores(engine_args, dp, coordinator)
     except BaseException:
         if coordinator is not None:
             coordinator.stop()
@@ -103,6 +110,28 @@ def run_split_server(
         if coordinator is not None:
             coordinator.stop()
         logger.info("engine cores stopped")
+
+
+def _start_cores(engine_args: Any, dp: Any, coordinator: Any) -> Any:
+    """This host's cores, and those of other hosts once they registered (`hosts.py`)."""
+    from jvllm.engine.core.hosts import AllCores, RemoteCores
+    from jvllm.engine.core.launcher import EngineCoreProcs
+
+    local = EngineCoreProcs(
+        engine_args, dp.local_size, coordinator.input_address if coordinator else None
+    )
+    if not dp.multi_host:
+        return local
+    remote = None
+    try:
+        remote = RemoteCores(dp, coordinator.remote_input_address if coordinator else None)
+        remote.wait(local.dead)
+    except BaseException:
+        if remote is not None:
+            remote.stop()
+        local.stop()
+        raise
+    return AllCores(local, remote)
 
 
 def _exit_on_sigterm(sig: int, frame: Any) -> None:
@@ -168,19 +197,15 @@ def _watchdog(client: Any, async_llm: Any, stop: threading.Event) -> None:
     notice otherwise: nothing waits on the core); refreshes an idle front end's copy of
     the engine metrics."""
     from jvllm.engine.async_llm import EngineDeadError
-    from jvllm.engine.core.client import process_exit_status
 
     while not stop.wait(WATCHDOG_INTERVAL_S):
         if not client.has_unfinished_requests() and not async_llm.is_dead:
             with contextlib.suppress(EngineDeadError):
                 client.refresh_metrics()
         for core in client.cores:
-            status = process_exit_status(core.pid)
+            status = core.exit_status()
             if status is not None:
-                async_llm.fail(
-                    f"engine core {core.index} (pid {core.pid}) died ({status}); the server "
-                    "cannot serve requests"
-                )
+                async_llm.fail(f"{core.name} died ({status}); the server cannot serve requests")
                 return
 
 

@@ -60,6 +60,20 @@ class _Core:
     # end's adds (by the core's count) that it may not show yet.
     shared: m.EngineLoad | None = None
     own_adds: list[int] = field(default_factory=list)
+    # A core on another host (tcp): its connection's watch, as its pid is not ours to see.
+    watch: Any = None
+    address: str = ""
+
+    @property
+    def name(self) -> str:
+        where = f" at {self.address.removeprefix('tcp://')}" if self.watch is not None else ""
+        return f"engine core {self.index} (pid {self.pid}{where})"
+
+    def exit_status(self) -> str | None:
+        """None while the core runs; else how it ended."""
+        if self.watch is not None:
+            return self.watch.lost()
+        return process_exit_status(self.pid)
 
     def load(self) -> int:
         shared = self.shared
@@ -91,8 +105,13 @@ class EngineCoreClient:
         for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            watch = None
+            if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
+                from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+
+                watch = ConnectionWatch(with_heartbeat(socket))
             socket.connect(address)
-            self.cores.append(_Core(index, pid, socket))
+            self.cores.append(_Core(index, pid, socket, watch=watch, address=address))
         self._loads: Any = None
         if loads_address is not None:
             from jvllm.engine.core.coordinator import LoadView
@@ -102,6 +121,7 @@ class EngineCoreClient:
         for core, info in zip(self.cores, infos, strict=True):
             core.info, core.metrics = info, info.metrics
         first = infos[0]
+        _check_alike(infos)
         self.tokenizer = tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
@@ -261,6 +281,8 @@ class EngineCoreClient:
         if self._loads is not None:
             self._loads.close()
         for core in self.cores:
+            if core.watch is not None:
+                core.watch.close()
             core.socket.close()
         self._context.term()
 
@@ -273,11 +295,10 @@ class EngineCoreClient:
 
     def _receive(self, core: _Core, reply: type) -> Any:
         while not core.socket.poll(POLL_MS):
-            exit_status = process_exit_status(core.pid)
+            exit_status = core.exit_status()
             if exit_status is not None:
                 raise EngineCoreDeadError(
-                    f"engine core {core.index} (pid {core.pid}) died ({exit_status}); the "
-                    "server cannot serve requests"
+                    f"{core.name} died ({exit_status}); the server cannot serve requests"
                 )
         return msgspec.msgpack.decode(core.socket.recv(), type=reply)
 
@@ -330,6 +351,19 @@ def process_exit_status(pid: int) -> str | None:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return "exited"
     return "exited" if state in ("Z", "X") else None
+
+
+def _check_alike(infos: list[m.EngineCoreInfo]) -> None:
+    """Every DP rank must serve the same model (a headless host started with other flags)."""
+    first = infos[0]
+    for info in infos[1:]:
+        for key in ("max_model_len", "vocab_size", "eos_token_ids"):
+            if getattr(info, key) != getattr(first, key):
+                raise ValueError(
+                    f"engine core {info.engine_index} has {key}={getattr(info, key)}, engine "
+                    f"core {first.engine_index} {getattr(first, key)}: every DP rank must be "
+                    "started with the same model and flags"
+                )
 
 
 def _tokenize(

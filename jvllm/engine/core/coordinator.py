@@ -35,7 +35,9 @@ class DPCoordinator:
     """The coordinator thread; cores push to `input_address`, API servers subscribe to
     `output_address`."""
 
-    def __init__(self, num_engines: int) -> None:
+    def __init__(self, num_engines: int, remote_host: str | None = None) -> None:
+        """`remote_host`: also take loads over TCP on this address (`remote_input_address`),
+        from cores on other hosts."""
         self._dir = tempfile.mkdtemp(prefix="jvllm-coordinator-")
         self.input_address = f"ipc://{self._dir}/loads_in"
         self.output_address = f"ipc://{self._dir}/loads_out"
@@ -46,6 +48,10 @@ class DPCoordinator:
             socket.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.input_address)
         self._pub.bind(self.output_address)
+        self.remote_input_address = None
+        if remote_host is not None:
+            port = self._pull.bind_to_random_port(f"tcp://{remote_host}")
+            self.remote_input_address = f"tcp://{remote_host}:{port}"
         self._table = m.LoadTable([None] * num_engines)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jvllm-dp-coordinator", daemon=True)
