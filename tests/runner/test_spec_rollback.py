@@ -1,0 +1,96 @@
+"""Correcting a speculative step scheduled before the last verdict, on the device
+(`runner/spec_rollback.py`): the verdict equals the host's `spec_decode.verify`, and a
+batch packed at the optimistic lengths, rolled back by the device's rejected counts,
+is the batch the host packs once it knows the verdict."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.engine.spec_decode import verify
+from jvllm.engine.step_io import PLACEHOLDER_TOKEN
+from jvllm.runner.input_batch import BatchShape, _packed_sizes, pack_rows, unpack
+from jvllm.runner.spec_rollback import device_verdict, roll_back_rows
+from tests.runner.test_input_batch import Row
+
+K = 3  # drafts a row at most
+
+
+def _step_n(rng: np.random.Generator, num_rows: int) -> tuple[list[int], list[int], list[int]]:
+    """Step N's logits rows: (sampled, drafted, each row's draft count), drafts sharing
+    a random prefix with the drawn tokens so that every accepted count occurs."""
+    sampled, drafted, counts = [], [], []
+    for _ in range(num_rows):
+        k = int(rng.integers(0, K + 1))
+        drawn = [int(t) for t in rng.integers(1, 50, k + 1)]
+        kept = int(rng.integers(0, k + 1))
+        drafts = drawn[:kept] + [d + 50 for d in drawn[kept:k]]  # differs after `kept`
+        sampled += drawn
+        drafted += drafts + [0]
+        counts.append(k)
+    return sampled, drafted, counts
+
+
+def test_device_verdict_is_the_hosts():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        sampled, drafted, counts = _step_n(rng, int(rng.integers(1, 7)))
+        first = np.cumsum([0, *(1 + k for k in counts)])[:-1]
+        pad = 24 - len(sampled)  # the logits rows' bucket
+        accepted, rejected, last = device_verdict(
+            jnp.asarray(sampled + [0] * pad, jnp.int32),
+            jnp.asarray(drafted + [0] * pad, jnp.int32),
+            jnp.asarray(first, jnp.int32),
+            jnp.asarray(counts, jnp.int32),
+            K,
+        )
+        for r, (f, k) in enumerate(zip(first, counts, strict=True)):
+            emitted = verify(drafted[f : f + k], np.asarray(sampled[f : f + 1 + k]))
+            assert int(accepted[r]) == len(emitted) - 1
+            assert int(rejected[r]) == k - len(emitted) + 1
+            assert int(last[r]) == emitted[-1]
+
+
+def _rows(rng, rejected, block_size):
+    """Step N + 1's rows at the optimistic lengths and as the host packs them knowing
+    the verdict: rows continuing a row of step N (a placeholder token, then drafts) and
+    prompt chunks."""
+    optimistic, known = [], []
+    for _ in range(int(rng.integers(1, 7))):
+        start = int(rng.integers(0, 30))
+        table = [int(b) for b in rng.permutation(np.arange(1, 60))[:12]]
+        if rng.random() < 0.3:  # a prompt chunk: nothing of step N in it
+            ids = [int(t) for t in rng.integers(1, 100, int(rng.integers(1, 5)))]
+            optimistic.append(Row(ids, start, table))
+            known.append(Row(ids, start, table))
+            continue
+        prev, k = int(rng.integers(0, len(rejected))), int(rng.integers(0, K + 1))
+        ids = [PLACEHOLDER_TOKEN] + [int(t) for t in rng.integers(1, 100, k)]
+        optimistic.append(Row(ids, start + int(rejected[prev]), table, prev, k))
+        known.append(Row(ids, start, table, prev, k))
+    return optimistic, known
+
+
+def test_rolled_back_batch_is_the_one_packed_knowing_the_verdict():
+    rng = np.random.default_rng(1)
+    block_size, shape = 4, BatchShape(32, 8, 12, num_logits=32)
+    for _ in range(40):
+        rejected = rng.integers(0, K + 1, 8).astype(np.int32)  # [R]: step N's rows
+        last = jnp.asarray(rng.integers(1, 100, 8), jnp.int32)  # [R]: their last tokens
+        optimistic, known = _rows(rng, rejected, block_size)
+        packed = pack_rows(optimistic, shape, block_size)
+        inp = unpack(jnp.asarray(packed), shape, last)
+        at = int(sum(_packed_sizes(shape)[:7]))  # the prev_index segment
+        prev_index = jnp.asarray(packed[at : at + shape.num_tokens])  # [T]
+        got = roll_back_rows(inp, prev_index, jnp.asarray(rejected), block_size)
+        want = unpack(jnp.asarray(pack_rows(known, shape, block_size)), shape, last)
+        for a, b in (
+            (got.token_ids, want.token_ids),
+            (got.positions, want.positions),
+            (got.logits_indices, want.logits_indices),
+            (got.attn.slot_mapping, want.attn.slot_mapping),
+            (got.attn.query_start_loc, want.attn.query_start_loc),
+            (got.attn.seq_lens, want.attn.seq_lens),
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
