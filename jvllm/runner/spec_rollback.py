@@ -13,13 +13,16 @@ read in between (vLLM corrects its inputs the same way, on the GPU, from
   `spec_decode.verify` would end the row's output with), all `[S]` on the device;
 - `roll_back_rows`: step N + 1's unpacked input with the positions, slot mapping and
   sequence lengths of every row that continues a row of N moved back by that row's
-  rejected count (the slots recomputed from the row's block table).
+  rejected count (the slots recomputed from the row's block table);
+- `feed_buffer`: the one buffer the forward's placeholder tokens read when a step
+  feeds back both step N's last tokens (entries [0, R), by row of N, as `prev_step_row`
+  names them) and a proposal's drafts (entries [R, 2R), in the step's draft order;
+  `draft_feed.feed_draft_tokens(..., offset=R)` points the drafts there).
 
 Not owned (and not yet done; `docs/speculative_decoding.md` lists them): scheduling
 N + 1 before N's verdict and rolling `num_computed_tokens` back at commit (the
-scheduler), running the proposal program from the device verdict, feeding both the
-first tokens and the drafts of one step (`draft_feed.py` uses `last_sampled` for the
-drafts alone), and shifting the sampler's output indices and penalty histories.
+scheduler), running the proposal program from the device verdict, a forward program
+that applies these, and shifting the sampler's output indices and penalty histories.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.layers.attention import AttentionMetadata
+from jvllm.runner.draft_feed import _place
 from jvllm.runner.input_batch import ModelInput
 
 
@@ -82,3 +86,12 @@ def roll_back_rows(
     slots = jnp.where(real, block * block_size + positions % block_size, meta.slot_mapping)
     attn = AttentionMetadata(slots, qsl, seq_lens - shift, tables)
     return dataclasses.replace(inp, positions=positions, attn=attn)
+
+
+def feed_buffer(
+    last: jax.Array,  # [R] int32: step N's last emitted token per row (`device_verdict`)
+    drafts: jax.Array,  # [S, k] int32: the proposal's drafts
+    sources: jax.Array,  # [R] int32: flat index of the step's j-th draft, -1 past them
+) -> jax.Array:
+    """`[2R]` int32: `last`, then the step's drafts in row order (`draft_feed._place`)."""
+    return jnp.concatenate([last, _place(drafts, sources)])

@@ -5,13 +5,15 @@ is the batch the host packs once it knows the verdict."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jvllm.engine.spec_decode import verify
 from jvllm.engine.step_io import PLACEHOLDER_TOKEN
+from jvllm.runner.draft_feed import feed_draft_tokens, padded_sources
 from jvllm.runner.input_batch import BatchShape, _packed_sizes, pack_rows, unpack
-from jvllm.runner.spec_rollback import device_verdict, roll_back_rows
+from jvllm.runner.spec_rollback import device_verdict, feed_buffer, roll_back_rows
 from tests.runner.test_input_batch import Row
 
 K = 3  # drafts a row at most
@@ -34,15 +36,16 @@ def _step_n(rng: np.random.Generator, num_rows: int) -> tuple[list[int], list[in
 
 def test_device_verdict_is_the_hosts():
     rng = np.random.default_rng(0)
+    verdict = jax.jit(device_verdict, static_argnums=4)
     for _ in range(40):
         sampled, drafted, counts = _step_n(rng, int(rng.integers(1, 7)))
         first = np.cumsum([0, *(1 + k for k in counts)])[:-1]
-        pad = 24 - len(sampled)  # the logits rows' bucket
-        accepted, rejected, last = device_verdict(
+        pad, pad_rows = 32 - len(sampled), 8 - len(counts)  # the buckets: one program
+        accepted, rejected, last = verdict(
             jnp.asarray(sampled + [0] * pad, jnp.int32),
             jnp.asarray(drafted + [0] * pad, jnp.int32),
-            jnp.asarray(first, jnp.int32),
-            jnp.asarray(counts, jnp.int32),
+            jnp.asarray([*first, *[0] * pad_rows], jnp.int32),
+            jnp.asarray(counts + [0] * pad_rows, jnp.int32),
             K,
         )
         for r, (f, k) in enumerate(zip(first, counts, strict=True)):
@@ -75,6 +78,7 @@ def _rows(rng, rejected, block_size):
 def test_rolled_back_batch_is_the_one_packed_knowing_the_verdict():
     rng = np.random.default_rng(1)
     block_size, shape = 4, BatchShape(32, 8, 12, num_logits=32)
+    roll_back = jax.jit(roll_back_rows, static_argnums=3)
     for _ in range(40):
         rejected = rng.integers(0, K + 1, 8).astype(np.int32)  # [R]: step N's rows
         last = jnp.asarray(rng.integers(1, 100, 8), jnp.int32)  # [R]: their last tokens
@@ -83,7 +87,7 @@ def test_rolled_back_batch_is_the_one_packed_knowing_the_verdict():
         inp = unpack(jnp.asarray(packed), shape, last)
         at = int(sum(_packed_sizes(shape)[:7]))  # the prev_index segment
         prev_index = jnp.asarray(packed[at : at + shape.num_tokens])  # [T]
-        got = roll_back_rows(inp, prev_index, jnp.asarray(rejected), block_size)
+        got = roll_back(inp, prev_index, jnp.asarray(rejected), block_size)
         want = unpack(jnp.asarray(pack_rows(known, shape, block_size)), shape, last)
         for a, b in (
             (got.token_ids, want.token_ids),
@@ -94,3 +98,29 @@ def test_rolled_back_batch_is_the_one_packed_knowing_the_verdict():
             (got.attn.seq_lens, want.attn.seq_lens),
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_first_tokens_and_drafts_fed_from_one_buffer():
+    rng = np.random.default_rng(2)
+    num_rows, shape = 24, BatchShape(32, 8, 12, num_logits=32)  # R: the buffers' length
+    for _ in range(30):
+        last = rng.integers(1, 100, num_rows).astype(np.int32)  # [R]: step N's rows
+        drafts = rng.integers(100, 200, (6, K)).astype(np.int32)  # [S, k]: the proposal
+        rows, want, sources = [], [], []
+        for _ in range(int(rng.integers(1, 7))):
+            table, start = list(range(1, 13)), int(rng.integers(0, 30))
+            if rng.random() < 0.3:  # a prompt chunk
+                ids = [int(t) for t in rng.integers(1, 100, int(rng.integers(1, 5)))]
+                rows.append(Row(ids, start, table))
+                want += ids
+                continue
+            prev, held, n = (int(rng.integers(0, m)) for m in (8, 6, K + 1))
+            rows.append(Row([PLACEHOLDER_TOKEN] * (1 + n), start, table, prev, n))
+            want += [int(last[prev]), *drafts[held, :n]]
+            sources += range(held * K, held * K + n)
+        packed = pack_rows(rows, shape, 4)
+        feed_draft_tokens(packed, shape, rows, offset=num_rows)
+        where = padded_sources(np.array(sources, np.int32), num_rows)  # [R]
+        fed = feed_buffer(jnp.asarray(last), jnp.asarray(drafts), jnp.asarray(where))
+        inp = unpack(jnp.asarray(packed), shape, fed)
+        assert np.asarray(inp.token_ids)[: len(want)].tolist() == want
