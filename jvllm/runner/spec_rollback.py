@@ -17,12 +17,15 @@ read in between (vLLM corrects its inputs the same way, on the GPU, from
 - `feed_buffer`: the one buffer the forward's placeholder tokens read when a step
   feeds back both step N's last tokens (entries [0, R), by row of N, as `prev_step_row`
   names them) and a proposal's drafts (entries [R, 2R), in the step's draft order;
-  `draft_feed.feed_draft_tokens(..., offset=R)` points the drafts there).
+  `draft_feed.feed_draft_tokens(..., offset=R)` points the drafts there);
+- `proposal_from_verdict`: the proposal after step N, its rows placed by the host at
+  the optimistic lengths, made right from the verdict: each row's newest token, its
+  first step's position, its output index and (EAGLE, MTP, Medusa) its feature row.
 
 Not owned (and not yet done; `docs/speculative_decoding.md` lists them): scheduling
 N + 1 before N's verdict and rolling `num_computed_tokens` back at commit (the
-scheduler), running the proposal program from the device verdict, a forward program
-that applies these, and shifting the sampler's output indices and penalty histories.
+scheduler), the forward and proposal programs that apply these, and shifting the
+sampler's output indices and penalty histories.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 
 from jvllm.layers.attention import AttentionMetadata
 from jvllm.runner.draft_feed import _place
+from jvllm.runner.drafter import ProposalInputs
 from jvllm.runner.input_batch import ModelInput
 
 
@@ -95,3 +99,27 @@ def feed_buffer(
 ) -> jax.Array:
     """`[2R]` int32: `last`, then the step's drafts in row order (`draft_feed._place`)."""
     return jnp.concatenate([last, _place(drafts, sources)])
+
+
+def proposal_from_verdict(
+    rows: ProposalInputs,  # [S] rows placed as if every draft of step N were kept
+    source: jax.Array,  # [S] int32: each row's row of step N (-1: a row it did not sample)
+    accepted: jax.Array,  # [R] int32: step N's kept drafts per row (`device_verdict`)
+    rejected: jax.Array,  # [R] int32
+    last: jax.Array,  # [R] int32: step N's last emitted token per row
+    first: jax.Array,  # [R] int32: step N's first logits row per row
+) -> ProposalInputs:
+    """`rows` with each row that step N sampled drafting from the token N emitted last:
+    that token, its first step's position and output index moved back by N's rejected
+    count, and its feature row the logits row the token was drawn from. Rows with
+    `source` -1 (a prompt chunk's last entry, padding) are unchanged. The draft counts
+    (`limits`) stay the optimistic ones: never more than the true room."""
+    has = source >= 0  # [S]
+    src = jnp.maximum(source, 0)
+    back = jnp.where(has, rejected[src], 0)  # [S]
+    return rows._replace(
+        tokens=jnp.where(has, last[src], rows.tokens),
+        positions=rows.positions - back,
+        steps=rows.steps - back,
+        feature_rows=jnp.where(has, first[src] + accepted[src], rows.feature_rows),
+    )

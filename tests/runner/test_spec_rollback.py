@@ -12,8 +12,14 @@ import numpy as np
 from jvllm.engine.spec_decode import verify
 from jvllm.engine.step_io import PLACEHOLDER_TOKEN
 from jvllm.runner.draft_feed import feed_draft_tokens, padded_sources
+from jvllm.runner.drafter import ProposalInputs
 from jvllm.runner.input_batch import BatchShape, _packed_sizes, pack_rows, unpack
-from jvllm.runner.spec_rollback import device_verdict, feed_buffer, roll_back_rows
+from jvllm.runner.spec_rollback import (
+    device_verdict,
+    feed_buffer,
+    proposal_from_verdict,
+    roll_back_rows,
+)
 from tests.runner.test_input_batch import Row
 
 K = 3  # drafts a row at most
@@ -124,3 +130,57 @@ def test_first_tokens_and_drafts_fed_from_one_buffer():
         fed = feed_buffer(jnp.asarray(last), jnp.asarray(drafts), jnp.asarray(where))
         inp = unpack(jnp.asarray(packed), shape, fed)
         assert np.asarray(inp.token_ids)[: len(want)].tolist() == want
+
+
+def _proposal(values: list[tuple[int, int, int, int]]) -> ProposalInputs:
+    """Proposal rows from (token, position, output index, feature row) each."""
+    tokens, positions, steps, features = (
+        jnp.asarray(c, jnp.int32) for c in zip(*values, strict=True)
+    )
+    zeros = jnp.zeros(len(values), jnp.int32)
+    return ProposalInputs(tokens, positions, zeros, zeros, zeros, steps, zeros, features)
+
+
+def test_proposal_rows_from_the_verdict_are_the_hosts():
+    rng = np.random.default_rng(3)
+    verdict = jax.jit(device_verdict, static_argnums=4)
+    for _ in range(20):
+        sampled, drafted, counts = _step_n(rng, 8)  # step N's rows
+        first = np.cumsum([0, *(1 + k for k in counts)])[:-1]  # [R]
+        pad = 32 - len(sampled)
+        accepted, rejected, last = verdict(
+            *(jnp.asarray(a + [0] * pad, jnp.int32) for a in (sampled, drafted)),
+            jnp.asarray(first, jnp.int32),
+            jnp.asarray(counts, jnp.int32),
+            K,
+        )
+        source = rng.permutation(np.r_[np.arange(8), -1, -1]).astype(np.int32)  # [S]
+        base = rng.integers(0, 40, 10)  # [S]: where step N's row began (its first token)
+        outputs = rng.integers(0, 20, 10)  # [S]: output tokens before step N
+        optimistic, known = [], []  # (token, position, step, feature row) per row
+        for i, r in enumerate(source):
+            if r < 0:  # a prompt chunk's last entry: nothing of step N to correct
+                optimistic.append(
+                    (int(rng.integers(1, 100)), int(base[i]), 0, int(rng.integers(0, 30)))
+                )
+                known.append(optimistic[-1])
+                continue
+            f, k = int(first[r]), counts[r]
+            emitted = verify(drafted[f : f + k], np.asarray(sampled[f : f + 1 + k]))
+            optimistic.append((PLACEHOLDER_TOKEN, int(base[i]) + k, outputs[i] + k + 1, f + k))
+            n = len(emitted)
+            known.append((emitted[-1], int(base[i]) + n - 1, outputs[i] + n, f + n - 1))
+
+        got = proposal_from_verdict(
+            _proposal(optimistic),
+            jnp.asarray(source),
+            accepted,
+            rejected,
+            last,
+            jnp.asarray(first, jnp.int32),
+        )
+        want = _proposal(known)
+        for field in ("tokens", "positions", "steps", "feature_rows"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+            )
