@@ -73,10 +73,12 @@ def padded_sources(sources: np.ndarray, num_rows: int) -> np.ndarray:
     return out
 
 
-def feed_draft_tokens(packed: np.ndarray, shape: BatchShape, rows: Sequence[StepRow]) -> None:
+def feed_draft_tokens(
+    packed: np.ndarray, shape: BatchShape, rows: Sequence[StepRow], offset: int = 0
+) -> None:
     """Points the packed batch's `prev_index` at each row's draft positions (the last
-    `num_spec_tokens` of its tokens): the step's j-th draft in row order reads entry j
-    of `last_sampled`, where `place_drafts` put it. In place."""
+    `num_spec_tokens` of its tokens): the step's j-th draft in row order reads entry
+    `offset` + j of `last_sampled`, where `place_drafts` put it. In place."""
     spec = np.fromiter((r.num_spec_tokens for r in rows), np.int64, len(rows))
     total = int(spec.sum())
     if not total:
@@ -85,5 +87,5 @@ def feed_draft_tokens(packed: np.ndarray, shape: BatchShape, rows: Sequence[Step
     ends = np.cumsum(lens)  # [n]: one past each row's last token
     within = np.arange(total) - np.repeat(np.cumsum(spec) - spec, spec)
     token_index = np.repeat(ends - spec, spec) + within  # [total]: the drafts' tokens
-    offset = int(sum(_packed_sizes(shape)[:7]))  # the prev_index segment
-    packed[offset + token_index] = np.arange(total, dtype=np.int32)
+    at = int(sum(_packed_sizes(shape)[:7]))  # the prev_index segment
+    packed[at + token_index] = np.arange(offset, offset + total, dtype=np.int32)
