@@ -242,8 +242,13 @@ def test_abort_frees_every_engines_blocks(env):
     ):
         for response in (first, second):
             assert next(response.iter_lines()).startswith("data: ")
-    prompt_after = engine_samples(url, "vllm:prompt_tokens_total")
-    assert all(prompt_after[e] > prompt_before.get(e, 0) for e in ("0", "1")), prompt_after
+    deadline = time.monotonic() + 10  # an API server reads an engine it is not stepping
+    while time.monotonic() < deadline:  # every WATCHDOG_INTERVAL_S
+        prompt_after = engine_samples(url, "vllm:prompt_tokens_total")
+        if all(prompt_after.get(e, 0) > prompt_before.get(e, 0) for e in ("0", "1")):
+            break
+        time.sleep(0.1)
+    assert all(prompt_after.get(e, 0) > prompt_before.get(e, 0) for e in ("0", "1")), prompt_after
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         usage = engine_samples(url, "vllm:kv_cache_usage_perc")
