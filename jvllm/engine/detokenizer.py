@@ -38,6 +38,16 @@ def decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def stop_token_text_skipped(params: Any, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens whose text is left out when they end an output (vLLM's detokenizer
+    skips a stop-terminated output's last token): its stop_token_ids and, unless
+    ignore_eos, the EOS ids; none with include_stop_str_in_output."""
+    if params.include_stop_str_in_output:
+        return frozenset()
+    eos = frozenset() if params.ignore_eos else eos_token_ids
+    return frozenset(params.stop_token_ids) | eos
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,

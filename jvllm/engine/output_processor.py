@@ -173,7 +173,10 @@ class OutputProcessor:
                     continue  # stopped or aborted after this step was dispatched
                 ids = state.request.output_token_ids
                 token, num_out = ids[-1], len(ids)
-                state.matched_stop = matched = state.detok.append(token)
+                if token in state.silent_token_ids and num_out >= state.min_tokens:
+                    state.matched_stop = matched = None  # it ends the output, textless
+                else:
+                    state.matched_stop = matched = state.detok.append(token)
                 num_inline += 1
                 if (
                     token in state.ending_token_ids

@@ -14,7 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from jvllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, decoder
+from jvllm.engine.detokenizer import (
+    IncrementalDetokenizer,
+    TokenIdsOnly,
+    decoder,
+    stop_token_text_skipped,
+)
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.step_io import SamplingRow, ScheduledRequest, StepResult
 from jvllm.engine.token_constraints import Constraints
@@ -81,11 +86,19 @@ class SequenceState:
         # the output processor commits them inline (`OutputProcessor.commit`).
         self.plain_commit = self.logprobs is None and self.constraints.grammar is None
         self.ending_token_ids = eos_token_ids | frozenset(params.stop_token_ids)
+        # As vLLM: the EOS or stop token that ends the output adds no text unless
+        # include_stop_str_in_output (from min_tokens on, where it ends it).
+        self.silent_token_ids = stop_token_text_skipped(params, eos_token_ids)
+        self.min_tokens = params.min_tokens
         self.max_output_tokens = max_output_tokens
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
         # that could still start a stop string waits (the engine cuts a matched one).
         self.sent_tokens = self.sent_chars = 0
-        self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+        self.holdback = (  # none when a matched stop string stays in the text (vLLM)
+            0
+            if params.include_stop_str_in_output
+            else max((len(s) for s in params.stop_strings), default=1) - 1
+        )
 
     def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         assert status.is_finished, status
@@ -161,7 +174,10 @@ class SequenceState:
             top = self.request.sampling_params.logprobs
             ids, lps = result.top_ids[row][:top], result.top_logprobs[row][:top]
             self.logprobs.append(self._position(token, logprob, ids, lps))
-        self.matched_stop = matched = self.detok.append(token)
+        if token in self.silent_token_ids and num_out >= self.min_tokens:
+            self.matched_stop = matched = None  # it ends the output, without its text
+        else:
+            self.matched_stop = matched = self.detok.append(token)
         grammar = self.constraints.grammar
         if grammar is not None:
             grammar.accept(token)

@@ -37,9 +37,12 @@ def _int(cfg: dict[str, Any], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+# Defaults are Transformers' Glm4MoeConfig's, for config.json files that leave a key out.
+
+
 def _routing(cfg: dict[str, Any]) -> DeepseekRouting:
     experts, n_group = int(cfg["n_routed_experts"]), _int(cfg, "n_group", 1)
-    topk_group = _int(cfg, "topk_group", n_group)
+    topk_group = _int(cfg, "topk_group", 1)
     if n_group < 1 or experts % n_group or not 0 < topk_group <= n_group:
         raise ValueError(
             f"config.json: n_group={n_group} must divide n_routed_experts={experts} and "
@@ -52,7 +55,7 @@ def _routing(cfg: dict[str, Any]) -> DeepseekRouting:
         topk_group=topk_group,
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         correction_bias=True,
-        num_shared_experts=_int(cfg, "n_shared_experts", 0),
+        num_shared_experts=_int(cfg, "n_shared_experts", 1),
     )
 
 
@@ -79,12 +82,12 @@ def glm4_moe_spec(cfg: dict[str, Any]) -> ModelSpec:
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+        num_kv_heads=_int(cfg, "num_key_value_heads", 8),
         head_dim=_int(cfg, "head_dim", hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5),
         # Transformers' default for GLM-4.5 configs that leave it out.
         rope=_rope_from_config({"partial_rotary_factor": 0.5, **cfg}),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 131072),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=bool(cfg.get("use_qk_norm", False)),

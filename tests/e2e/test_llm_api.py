@@ -272,7 +272,8 @@ def _outputs_through_core(engine, requests) -> tuple[dict, list]:
     from jvllm.engine.core.core import EngineCore
     from jvllm.engine.core.detokenizing import FrontendOutputProcessor
 
-    core, front = EngineCore(engine, 0), FrontendOutputProcessor(engine.tokenizer)
+    core = EngineCore(engine, 0)
+    front = FrontendOutputProcessor(engine.tokenizer, engine.eos_token_ids)
     outs: dict[str, list] = {rid: [] for rid, _, _ in requests}
     aborted: list[str] = []
     try:
@@ -328,7 +329,20 @@ def test_engine_core_token_ids_detokenized_in_front_equal_in_process(llm):
     pieces = [pair[0][i : i + 2] for i in range(len(pair[0]) - 1)]
     alone = next(piece for piece in pieces if piece not in pair[1])
     delta = RequestOutputKind.DELTA
+    # An ordinary token as a stop token id: as vLLM, the text leaves it out unless
+    # include_stop_str_in_output.
+    greedy_ids = (
+        llm.generate(
+            {"prompt_token_ids": ids}, greedy(max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    k = next(i for i in range(2, 12) if greedy_ids[i] not in greedy_ids[:i])
+    by_token = greedy(max_tokens=12, stop_token_ids=[greedy_ids[k]], ignore_eos=True)
     requests = [
+        ("stop-token", ids, by_token),
+        ("stop-token-kept", ids, by_token.clone(include_stop_str_in_output=True)),
         ("cut", ids, greedy(max_tokens=12, stop=[across], ignore_eos=True)),
         ("kept", ids, greedy(max_tokens=12, stop=[across], include_stop_str_in_output=True)),
         ("cut-delta", ids, greedy(max_tokens=12, stop=[across], output_kind=delta)),
@@ -345,6 +359,9 @@ def test_engine_core_token_ids_detokenized_in_front_equal_in_process(llm):
             assert got[rid] == expected[rid], rid  # every delta, step by step
         else:
             assert got[rid][-1] == finals[-1], rid
+    by_id, by_id_kept = got["stop-token"][-1].outputs[0], got["stop-token-kept"][-1].outputs[0]
+    assert by_id.token_ids == greedy_ids[: k + 1] and by_id.stop_reason == greedy_ids[k]
+    assert (by_id.text, by_id_kept.text) == (text(k), text(k + 1))
     cut, kept = got["cut"][-1].outputs[0], got["kept"][-1].outputs[0]
     assert cut.text == full[: boundary - 2] and cut.stop_reason == across
     assert kept.text == full[: boundary + 1] and kept.finish_reason == "stop"

@@ -84,6 +84,20 @@ def test_spec_reads_glm_fields(glm):
     assert glm4_moe_spec(bare).rope.partial_rotary_factor == 0.5  # Transformers' default
     with pytest.raises(ValueError, match="n_group=3 must divide n_routed_experts=8"):
         glm4_moe_spec({**cfg, "n_group": 3})
+    # Keys a config.json leaves out take Transformers' Glm4MoeConfig defaults.
+    from transformers import Glm4MoeConfig
+
+    hf = Glm4MoeConfig()
+    left_out = ("topk_group", "n_shared_experts", "num_key_value_heads", "n_group")
+    bare = {k: v for k, v in cfg.items() if k not in left_out}
+    spec = glm4_moe_spec({**bare, "num_attention_heads": 16})  # a multiple of 8 KV heads
+    r = spec.variant.routing
+    assert (r.n_group, r.topk_group, r.num_shared_experts, spec.num_kv_heads) == (
+        hf.n_group,
+        hf.topk_group,
+        hf.n_shared_experts,
+        hf.num_key_value_heads,
+    )
 
 
 def hf_greedy_no_eos(hf, ids: list[int], n: int) -> list[int]:

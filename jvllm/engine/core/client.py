@@ -133,7 +133,7 @@ class EngineCoreClient:
         self.structured_outputs = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Core] = {}  # request id -> the core running it
         # Detokenizes the cores' token ids, applies stop strings, builds the outputs.
-        self.output_processor = FrontendOutputProcessor(tokenizer)
+        self.output_processor = FrontendOutputProcessor(tokenizer, self.eos_token_ids)
         # Whether the cores may run a step ahead (not while a pause holds the requests:
         # the server sets it from AsyncLLM's pause state).
         self.may_prefetch: Callable[[], bool] = lambda: True

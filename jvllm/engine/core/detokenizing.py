@@ -21,7 +21,7 @@ import math
 from typing import Any, NamedTuple
 
 from jvllm.engine.core.messages import WireOutput
-from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder
+from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder, stop_token_text_skipped
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -60,10 +60,17 @@ class ChoiceState:
     """One sampled sequence (`CompletionOutput.index`) of a request, as its reader sees it."""
 
     def __init__(
-        self, index: int, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        index: int,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         stops = params.stop_strings
         self.index = index
+        # The EOS or stop token the core ended the choice on adds no text (as vLLM).
+        self.silent_token_ids = stop_token_text_skipped(params, eos_token_ids)
         self.detok = IncrementalDetokenizer(
             tokenizer,
             prompt_token_ids,
@@ -80,7 +87,9 @@ class ChoiceState:
         # DELTA outputs: what earlier ones carried; text that could still start a stop
         # string waits (a match is cut from the text).
         self.sent_tokens = self.sent_chars = 0
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.holdback = (  # none when a matched stop string stays in the text (vLLM)
+            0 if params.include_stop_str_in_output else max((len(s) for s in stops), default=1) - 1
+        )
 
     def add(self, delta: CompletionOutput, texts: TokenTexts) -> bool:
         """Takes the core's new tokens of this choice; True when a stop string ended it
@@ -95,6 +104,9 @@ class ChoiceState:
             if self.logprobs is not None:
                 assert logprobs is not None
                 self.logprobs.append(texts.name(logprobs[j]) or {})
+            last = j == len(tokens) - 1
+            if last and delta.finish_reason == "stop" and token in self.silent_token_ids:
+                break  # the core ended the choice on it: no text, no stop string
             matched = self.detok.append(token)
             if matched is not None:
                 self.finish_reason, self.stop_reason = "stop", matched
@@ -197,8 +209,9 @@ class _Beams:
 class FrontendOutputProcessor:
     """Every request of one front end in flight on its engine cores, by request id."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState | _Beams] = {}
 
@@ -214,7 +227,8 @@ class FrontendOutputProcessor:
             self.requests[request_id] = _Beams(prompt, prompt_token_ids, lora_request)
             return
         choices = [
-            ChoiceState(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)
+            ChoiceState(i, self.tokenizer, prompt_token_ids, params, self.eos_token_ids)
+            for i in range(params.n)
         ]
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params.output_kind, lora_request, choices
