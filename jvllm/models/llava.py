@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -108,14 +108,17 @@ class LlavaDecoderModel(DecoderModel):
         if mm_embeds is not None:
             assert mm_mask is not None
             x = jnp.where(mm_mask[:, None], mm_embeds.astype(x.dtype), x)
-        cos_sin = rotary_cos_sin(
-            positions, self.inv_freq, self.dtype, attention_scaling(self.spec.rope)
-        )
+        cos_sin = self.cos_sin(positions)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
             x, cache = layer(x, cos_sin, cache, meta)
             new_caches.append(cache)
         return self.norm(x), new_caches
+
+    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The rotary cos and sin `[T, D]` of the step's positions."""
+        scaling = attention_scaling(self.spec.rope)
+        return rotary_cos_sin(positions, self.inv_freq, self.dtype, scaling)
 
 
 class LlavaForConditionalGeneration(CausalLM):
@@ -123,9 +126,10 @@ class LlavaForConditionalGeneration(CausalLM):
 
     checkpoint_index = LanguageModelIndex
     supports_pipeline = False
+    decoder: ClassVar[type[LlavaDecoderModel]] = LlavaDecoderModel  # Qwen2.5-VL: M-RoPE's
 
     def setup(self) -> None:
-        self.model = LlavaDecoderModel(self.spec, self.dtype, self.backend, self.mesh)
+        self.model = self.decoder(self.spec, self.dtype, self.backend, self.mesh)
         if not self.spec.tie_word_embeddings:
             self.lm_head = LMHead(
                 self.spec.vocab_size, self.dtype, self.mesh, self.spec.transposed_weights

@@ -23,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jvllm.layers.attention import AttentionMetadata, KVCache
 from jvllm.layers.rotary import attention_scaling
 from jvllm.models import qwen_vision
-from jvllm.models.llama import CausalLM, DecoderModel, LMHead
-from jvllm.models.llava import LanguageModelIndex
+from jvllm.models.llava import LanguageModelIndex, LlavaDecoderModel, LlavaForConditionalGeneration
 from jvllm.models.safetensors_index import SafetensorsIndex
 from jvllm.models.spec import ModelSpec, spec_from_hf_config
 from jvllm.parallel.mesh import replicated
@@ -108,57 +106,23 @@ def mrope_cos_sin(
     return (jnp.cos(emb) * scaling).astype(dtype), (jnp.sin(emb) * scaling).astype(dtype)
 
 
-class QwenVLDecoderModel(DecoderModel):
-    """`DecoderModel` with M-RoPE whose image tokens take given embeddings."""
+class QwenVLDecoderModel(LlavaDecoderModel):
+    """LLaVA's decoder (image tokens take given embeddings) with M-RoPE: positions
+    `[T]` or `[3, T]` int32 (a text-only step: 3 equal rows)."""
 
-    def __call__(  # type: ignore[override]
-        self,
-        token_ids: jax.Array,  # [T] int32
-        positions: jax.Array,  # [T] or [3, T] int32 (a text-only step: 3 equal rows)
-        caches: Sequence[KVCache],
-        meta: AttentionMetadata,
-        mm_embeds: jax.Array | None = None,  # [T, H]: image embeddings where mm_mask
-        mm_mask: jax.Array | None = None,  # [T] bool
-    ) -> tuple[jax.Array, list[KVCache]]:
-        x = self.embed_tokens(token_ids)  # [T, H]
-        if mm_embeds is not None:
-            assert mm_mask is not None
-            x = jnp.where(mm_mask[:, None], mm_embeds.astype(x.dtype), x)
+    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         if positions.ndim == 1:
             positions = jnp.broadcast_to(positions, (3, positions.shape[0]))
         section = self.spec.variant.mrope_section
         scaling = attention_scaling(self.spec.rope)
-        cos_sin = mrope_cos_sin(positions, self.inv_freq, section, self.dtype, scaling)
-        new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x, cache = layer(x, cos_sin, cache, meta)
-            new_caches.append(cache)
-        return self.norm(x), new_caches
+        return mrope_cos_sin(positions, self.inv_freq, section, self.dtype, scaling)
 
 
-class Qwen2_5_VLForConditionalGeneration(CausalLM):
+class Qwen2_5_VLForConditionalGeneration(LlavaForConditionalGeneration):
     """The language side of Qwen2.5-VL; `checkpoint_index` finds its tensors."""
 
     checkpoint_index = QwenLanguageIndex
-    supports_pipeline = False
-
-    def setup(self) -> None:
-        self.model = QwenVLDecoderModel(self.spec, self.dtype, self.backend, self.mesh)
-        if not self.spec.tie_word_embeddings:
-            self.lm_head = LMHead(
-                self.spec.vocab_size, self.dtype, self.mesh, self.spec.transposed_weights
-            )
-
-    def __call__(  # type: ignore[override]
-        self,
-        token_ids: jax.Array,
-        positions: jax.Array,
-        caches: Sequence[KVCache],
-        meta: AttentionMetadata,
-        mm_embeds: jax.Array | None = None,
-        mm_mask: jax.Array | None = None,
-    ) -> tuple[jax.Array, list[KVCache]]:
-        return self.model(token_ids, positions, caches, meta, mm_embeds, mm_mask)
+    decoder = QwenVLDecoderModel
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jit needs
