@@ -177,6 +177,13 @@ class Speculator:
         if self.in_flight is not None:
             self.in_flight.resolve(rows)
 
+    def drafts_of(self, request: Request) -> list[int]:
+        """The drafts a request holds for its next row (waits for a device proposal)."""
+        n = len(request.spec_token_ids)
+        if self.in_flight is None or not n:
+            return list(request.spec_token_ids)
+        return self.in_flight.drafts(request.request_id, n)
+
     def _sequence(self, request: Request) -> np.ndarray:
         buf, filled = self._tokens.get(request.request_id, (None, 0))
         if buf is None:

@@ -53,3 +53,7 @@ class ProposalInFlight:
             if host is None:
                 host = self.pending.result()  # [S, k] int32
             row.token_ids[-n:] = host[self.rows[row.request_id], :n].tolist()
+
+    def drafts(self, request_id: str, n: int) -> list[int]:
+        """A request's first `n` drafts (waits for the proposal)."""
+        return self.pending.result()[self.rows[request_id], :n].tolist()
