@@ -15,8 +15,10 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TypeVar
 
 import httpx
 import openai
@@ -24,6 +26,8 @@ import pytest
 
 from tests.helpers import prompts
 from tests.server import SMALL_ENGINE, ServerProcess, descendants, left_alive
+
+T = TypeVar("T")
 
 MAX_TOKENS = 6
 
@@ -33,6 +37,29 @@ def engine_samples(url: str, name: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     pattern = re.compile(rf'^{re.escape(name)}{{engine="(\d+)",model_name="[^"]*"}} (\S+)$', re.M)
     return {engine: float(value) for engine, value in pattern.findall(text)}
+
+
+def poll(probe: Callable[[], T], done: Callable[[T], bool], timeout: float = 10.0) -> T:
+    """probe() until done(its value) or `timeout` seconds; the last value. For another
+    process's metrics: an API server reads an engine it is not stepping every
+    WATCHDOG_INTERVAL_S, so no event here says when they are current."""
+    deadline = time.monotonic() + timeout
+    value = probe()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = probe()
+    return value
+
+
+def idle_engines(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Each engine's KV usage and running requests, once both engines are idle (or not)."""
+    return poll(
+        lambda: (
+            engine_samples(url, "vllm:kv_cache_usage_perc"),
+            engine_samples(url, "vllm:num_requests_running"),
+        ),
+        lambda v: set(v[0]) == {"0", "1"} and not any(v[0].values()) and not any(v[1].values()),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +112,10 @@ def test_two_api_servers_and_two_engines_equal_transformers(env):
     # Both engines generated (per-engine counters), and both API servers took requests.
     # An API server reads an engine it is not stepping every WATCHDOG_INTERVAL_S.
     generated = sum(r.usage.completion_tokens for r in results)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        tokens = engine_samples(url, "vllm:generation_tokens_total")
-        if sum(tokens.values()) == generated:
-            break
-        time.sleep(0.1)
+    tokens = poll(
+        lambda: engine_samples(url, "vllm:generation_tokens_total"),
+        lambda tokens: sum(tokens.values()) == generated,
+    )
     assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens
     assert sum(tokens.values()) == generated, tokens
     log = env.server.log()
@@ -140,13 +165,7 @@ def test_stop_strings_in_the_api_server_and_blocks_freed_in_the_core(env):
     assert [(c.text, c.finish_reason) for c in cut.choices] == [(full[: boundary - 2], "stop")] * 2
     assert "".join(text for text, _ in streamed) == full[: boundary + 1]
     assert streamed[-1][1] == "stop"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        usage = engine_samples(url, "vllm:kv_cache_usage_perc")
-        running = engine_samples(url, "vllm:num_requests_running")
-        if set(usage) == {"0", "1"} and not any(usage.values()) and not any(running.values()):
-            break
-        time.sleep(0.1)
+    usage, running = idle_engines(url)
     assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
     # Three sequences ended after 3 tokens; the cores ran a step or two past the stop.
     assert sum(engine_samples(url, metric).values()) - before < 30
@@ -242,20 +261,12 @@ def test_abort_frees_every_engines_blocks(env):
     ):
         for response in (first, second):
             assert next(response.iter_lines()).startswith("data: ")
-    deadline = time.monotonic() + 10  # an API server reads an engine it is not stepping
-    while time.monotonic() < deadline:  # every WATCHDOG_INTERVAL_S
-        prompt_after = engine_samples(url, "vllm:prompt_tokens_total")
-        if all(prompt_after.get(e, 0) > prompt_before.get(e, 0) for e in ("0", "1")):
-            break
-        time.sleep(0.1)
+    prompt_after = poll(
+        lambda: engine_samples(url, "vllm:prompt_tokens_total"),
+        lambda after: all(after.get(e, 0) > prompt_before.get(e, 0) for e in ("0", "1")),
+    )
     assert all(prompt_after.get(e, 0) > prompt_before.get(e, 0) for e in ("0", "1")), prompt_after
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        usage = engine_samples(url, "vllm:kv_cache_usage_perc")
-        running = engine_samples(url, "vllm:num_requests_running")
-        if set(usage) == {"0", "1"} and not any(usage.values()) and not any(running.values()):
-            break
-        time.sleep(0.1)
+    usage, running = idle_engines(url)
     assert usage == {"0": 0.0, "1": 0.0} and running == {"0": 0.0, "1": 0.0}
     generated = sum(engine_samples(url, "vllm:generation_tokens_total").values())
     assert generated - generated_before < 2 * 200  # both ended early, by the abort
