@@ -9,7 +9,9 @@ tokens/s of each, the ratio, and whether the greedy outputs agree token for toke
     python bench/peer.py --workload mix48 --peer-python "$PEER_PY" --rounds 3
 
 Workloads (uniform lengths, seeded): mix48 is 48 requests with 32-384 prompt and
-16-192 output tokens; mix256 is 256 requests with 16-160 and 8-96. Both use default
+16-192 output tokens; mix256 is 256 requests with 16-160 and 8-96; low1, low4 and low8
+are 1, 4 and 8 requests of 128 prompt and 64 output tokens (a lightly loaded server's
+decode steps, where latency, not throughput, is at stake). All use default
 engine arguments but max_model_len (1024). VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB.
 `--baseline-src DIR` adds another jvllm checkout as a third engine in each round.
 `--temperature T` samples every request at T instead (vllm bench serve's default is
@@ -47,6 +49,10 @@ HF_BATCH_SIZES = (16, 24, 48)
 WORKLOADS = {  # name: (requests, prompt length range, output length range), inclusive
     "mix48": (48, (32, 384), (16, 192)),
     "mix256": (256, (16, 160), (8, 96)),
+    # A few sequences decoding together: the per-step latency of a lightly loaded server.
+    "low1": (1, (128, 128), (64, 64)),
+    "low4": (4, (128, 128), (64, 64)),
+    "low8": (8, (128, 128), (64, 64)),
 }
 
 

@@ -16,7 +16,8 @@ padded to the largest row bucket), where the next step's placeholder tokens read
 them, so the host can prepare step N + 1 while step N runs.
 
 Static shapes: T (tokens) is padded to a bucket of `input_batch.token_buckets` (steps
-of 16 up to 128, then four sizes per doubling) up to `max_num_batched_tokens`; S (rows)
+of 16 up to 128, then four sizes per doubling; on CPU devices 4 and 8 below those, where
+a forward's cost grows with its rows) up to `max_num_batched_tokens`; S (rows)
 to `min(T, max_num_seqs)`, so one forward program exists per T bucket. With
 speculative decoding (k draft tokens a row at most) the logits and sampler rows are
 `min(T, max_num_seqs * (1 + k))`: every position a row verifies gets sampled. On CPU
@@ -80,6 +81,9 @@ from jvllm.runner.step_programs import (
 from jvllm.runner.step_result import PendingStep, split_by_row
 
 MIN_TOKEN_BUCKET = 16
+# Below MIN_TOKEN_BUCKET on CPU devices, where a few decoding rows padded to 16 cost a
+# third more forward time (matmuls compute every padded row); a GPU's cost is flat there.
+SMALL_TOKEN_BUCKETS_CPU = (4, 8)
 
 
 class ModelRunner(StartUp, Launches, LoRARunner):
@@ -145,9 +149,9 @@ class ModelRunner(StartUp, Launches, LoRARunner):
         max_model_len = scheduler_config.max_model_len
         # Both groups' tables side by side in the hybrid layout.
         self.width = math.ceil(max_model_len / block_size) * (2 if self.kv_sliding_window else 1)
-        self.token_buckets = token_buckets(
-            scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET
-        )
+        buckets = token_buckets(scheduler_config.max_num_batched_tokens, MIN_TOKEN_BUCKET)
+        small = SMALL_TOKEN_BUCKETS_CPU if params_platform(loaded.params) == "cpu" else ()
+        self.token_buckets = (*(b for b in small if b < buckets[0]), *buckets)
         self.num_lookahead_tokens = num_lookahead_tokens
         # The largest logits-row bucket; where the sampler takes its rows in groups
         # (CPU devices), rounded up to whole groups: every step's sampling rows.
