@@ -2,23 +2,25 @@
 shape of `LLMEngine` that `AsyncLLM` drives (vLLM's `EngineCoreClient` with its
 data-parallel load balancing).
 
-Owns, in the front end: tokenizing prompts and checking requests before they leave
-(`validation.py`, so a bad one is a 400 without a round trip), choosing a data-parallel
-engine core for each request (the least `waiting * 4 + running`, vLLM's coordinator's
-score, by the DP coordinator's table of every core's load where several API servers
-share the cores: `coordinator.py`), turning the cores' token ids into RequestOutputs
-(`detokenizing.py`: text, stop strings, cumulative or delta as the request asked) and
-aborting in its core a request that a stop string ended, the engine metrics of every
-core, utility calls (broadcast to every core), and noticing a dead core: the step that
-waits on it raises `EngineCoreDeadError` naming it, which `AsyncLLM` turns into a
-failure of every in-flight request. Every call runs on the one AsyncLLM engine thread,
-as `LLMEngine`'s would. Not owned: starting or stopping the core processes
-(`launcher.py`), the engine itself (`core.py`).
+Owns, in the front end: one socket per core, bound here for the core to connect to (as
+vLLM: a core on another host needs no port of its own), tokenizing prompts and checking
+requests before they leave (`validation.py`, so a bad one is a 400 without a round
+trip), choosing a data-parallel engine core for each request (the least `waiting * 4 +
+running`, vLLM's coordinator's score, by the DP coordinator's table of every core's
+load where several API servers share the cores: `coordinator.py`), turning the cores'
+token ids into RequestOutputs (`detokenizing.py`: text, stop strings, cumulative or
+delta as the request asked) and aborting in its core a request that a stop string
+ended, the engine metrics of every core, utility calls (broadcast to every core), and
+noticing a dead core: the step that waits on it raises `EngineCoreDeadError` naming it,
+which `AsyncLLM` turns into a failure of every in-flight request. Every call runs on
+the one AsyncLLM engine thread, as `LLMEngine`'s would. Not owned: starting or stopping
+the core processes (`launcher.py`), the engine itself (`core.py`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,11 +64,12 @@ class _Core:
     own_adds: list[int] = field(default_factory=list)
     # A core on another host (tcp): its connection's watch, as its pid is not ours to see.
     watch: Any = None
-    address: str = ""
+    address: str = ""  # bound here; the core connects to it
+    host: str = ""  # the host it runs on (from its info)
 
     @property
     def name(self) -> str:
-        where = f" at {self.address.removeprefix('tcp://')}" if self.watch is not None else ""
+        where = f" on {self.host}" if self.watch is not None and self.host else ""
         return f"engine core {self.index} (pid {self.pid}{where})"
 
     def exit_status(self) -> str | None:
@@ -85,7 +88,8 @@ class _Core:
 
 
 class EngineCoreClient:
-    """`LLMEngine`'s methods, answered by engine cores at `addresses` (one per DP rank)."""
+    """`LLMEngine`'s methods, answered by engine cores that connect to `addresses` (bound
+    here, one per DP rank)."""
 
     def __init__(
         self,
@@ -102,24 +106,20 @@ class EngineCoreClient:
         # The sockets' one user at a time: the engine thread, or a LoRA load's worker.
         self._lock = threading.RLock()
         self.cores: list[_Core] = []
-        for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            watch = None
-            if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
-                from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
-
-                watch = ConnectionWatch(with_heartbeat(socket))
-            socket.connect(address)
-            self.cores.append(_Core(index, pid, socket, watch=watch, address=address))
+        try:
+            for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
+                self.cores.append(_bind(self._context, index, pid, address))
+        except BaseException:
+            self.close()
+            raise
         self._loads: Any = None
         if loads_address is not None:
             from jvllm.engine.core.coordinator import LoadView
 
             self._loads = LoadView(self._context, loads_address)
-        infos = [self._call(core, m.Hello(), m.EngineCoreInfo) for core in self.cores]
+        infos = [self._first_info(core) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
-            core.info, core.metrics = info, info.metrics
+            core.info, core.metrics, core.host = info, info.metrics, info.hostname
         first = infos[0]
         _check_alike(infos)
         self.tokenizer = tokenizer
@@ -278,7 +278,7 @@ class EngineCoreClient:
         return all(self.call_utility("reset_prefix_cache"))
 
     def close(self) -> None:
-        if self._loads is not None:
+        if getattr(self, "_loads", None) is not None:
             self._loads.close()
         for core in self.cores:
             if core.watch is not None:
@@ -287,6 +287,25 @@ class EngineCoreClient:
         self._context.term()
 
     # -- the sockets --
+
+    def _first_info(self, core: _Core) -> m.EngineCoreInfo:
+        """The info a core sends once it connected. A core on another host said it was
+        ready before this front end started: one that has not connected within
+        `handshake_timeout()` seconds, or whose connection closed, counts as dead."""
+        from jvllm.engine.core.hosts import handshake_timeout
+
+        timeout = handshake_timeout()
+        deadline = time.monotonic() + timeout
+        while core.watch is not None and not core.socket.poll(POLL_MS):
+            lost = core.watch.lost()
+            if lost is not None:
+                raise EngineCoreDeadError(f"{core.name} died ({lost}) before its first message")
+            if time.monotonic() > deadline:
+                raise EngineCoreDeadError(
+                    f"{core.name} did not connect to {core.address} within {timeout:g} s "
+                    "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
+                )
+        return self._receive(core, m.EngineCoreInfo)
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
         with self._lock:
@@ -364,6 +383,31 @@ def _check_alike(infos: list[m.EngineCoreInfo]) -> None:
                     f"core {first.engine_index} {getattr(first, key)}: every DP rank must be "
                     "started with the same model and flags"
                 )
+
+
+def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
+    """Core `index`'s socket, bound at `address` for the core to connect to (as vLLM's
+    front end); a TCP one (a core on another host) with heartbeats and a watch."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    watch = None
+    if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
+        from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+
+        watch = ConnectionWatch(with_heartbeat(socket))
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as e:
+        if watch is not None:
+            watch.close()
+        socket.close()
+        raise ValueError(
+            f"cannot listen for engine core {index} on {address} ({e}): the head's ports "
+            "from --data-parallel-rpc-port up must be free on --data-parallel-address"
+        ) from None
+    return _Core(index, pid, socket, watch=watch, address=address)
 
 
 def _tokenize(

@@ -35,9 +35,9 @@ class DPCoordinator:
     """The coordinator thread; cores push to `input_address`, API servers subscribe to
     `output_address`."""
 
-    def __init__(self, num_engines: int, remote_host: str | None = None) -> None:
-        """`remote_host`: also take loads over TCP on this address (`remote_input_address`),
-        from cores on other hosts."""
+    def __init__(self, num_engines: int, remote_input_address: str | None = None) -> None:
+        """`remote_input_address`: also take loads there (tcp://IP:PORT), from cores on
+        other hosts."""
         self._dir = tempfile.mkdtemp(prefix="jvllm-coordinator-")
         self.input_address = f"ipc://{self._dir}/loads_in"
         self.output_address = f"ipc://{self._dir}/loads_out"
@@ -48,10 +48,15 @@ class DPCoordinator:
             socket.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.input_address)
         self._pub.bind(self.output_address)
-        self.remote_input_address = None
-        if remote_host is not None:
-            port = self._pull.bind_to_random_port(f"tcp://{remote_host}")
-            self.remote_input_address = f"tcp://{remote_host}:{port}"
+        self.remote_input_address = remote_input_address
+        if remote_input_address is not None:
+            try:
+                self._pull.bind(remote_input_address)
+            except zmq.ZMQError as e:
+                self._close()
+                raise ValueError(
+                    f"the DP coordinator cannot listen on {remote_input_address} ({e})"
+                ) from None
         self._table = m.LoadTable([None] * num_engines)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jvllm-dp-coordinator", daemon=True)
@@ -77,6 +82,9 @@ class DPCoordinator:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        self._close()
+
+    def _close(self) -> None:
         self._pull.close()
         self._pub.close()
         self._context.term()
