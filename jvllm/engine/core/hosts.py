@@ -115,9 +115,9 @@ def with_heartbeat(socket: Any) -> Any:
 
 class ConnectionWatch:
     """Whether a socket's peer went away: its connection closed or went silent, and no
-    other is open (a stray connection to a bound port does not hide a lost core, nor
-    count as one). Made before the socket binds or connects; `lost()` may be called from
-    any thread."""
+    other is open (a stray connection to a bound port that comes and goes does not
+    count). Made before the socket binds or connects; `lost()` may be called from any
+    thread."""
 
     def __init__(self, socket: Any) -> None:
         self._socket = socket
