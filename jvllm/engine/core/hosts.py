@@ -254,7 +254,9 @@ class RemoteCores:
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> bool:
         try:
-            self._socket.send_multipart([identity, m.encode(message)])
+            self._socket.send_multipart([identity, m.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:  # there, but not reading (its queue is full)
+            return True
         except zmq.ZMQError:  # that process is gone
             return False
         return True
@@ -300,8 +302,14 @@ def run_headless(engine_args: Any, dp: Any) -> int:
             dp.start_rank,
             frontend_addresses=welcome.frontends,
         )
-        failure = procs.wait_ready(lambda: _stopped_while_starting(watch, stopping))
+        told = threading.Event()  # the head said Stop while the cores started
+        failure = procs.wait_ready(lambda: _startup_failure(head, watch, stopping, told))
         if failure is not None:
+            if told.is_set():  # the head drains: as if told once serving
+                procs.stop()
+                head.send(m.encode(Stopped()))
+                logger.info("%s", failure)
+                return 0
             head.send(m.encode(Failed(failure)))
             logger.error("%s", failure)
             return 0 if stopping.is_set() else 1
@@ -346,7 +354,16 @@ def _register(head: Any, dp: Any) -> Welcome:
     return welcome
 
 
-def _stopped_while_starting(watch: ConnectionWatch, stopping: threading.Event) -> str | None:
+def _startup_failure(
+    head: Any, watch: ConnectionWatch, stopping: threading.Event, told: threading.Event
+) -> str | None:
+    """Why the cores' start is cut short (None: it goes on); reads the head's messages
+    meanwhile (its probes, or a Stop: then sets `told`)."""
+    while head.poll(0):
+        if isinstance(_decoder.decode(head.recv()), Stop):
+            told.set()
+    if told.is_set():
+        return "the head said stop while the engine cores started: stopping them"
     if watch.lost() or stopping.is_set():
         return "stopped while the engine cores started (the head went away, or a signal)"
     return None
