@@ -53,15 +53,18 @@ class EngineCoreDeadError(EngineDeadError):
 class _Core:
     index: int
     pid: int
-    socket: Any  # a zmq DEALER connected to the core's ROUTER
+    socket: Any  # a zmq DEALER bound here, the core's DEALER connected to it
     info: m.EngineCoreInfo | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
-    added: int = 0  # requests added since its last step reply (not yet in its metrics)
+    # Sequences (a request's n choices, or its beams) added since its last step reply,
+    # not yet in its metrics: the core's counts are of sequences too.
+    added: int = 0
     # With a DP coordinator: the core's load as every API server sees it, and this front
-    # end's adds (by the core's count) that it may not show yet.
+    # end's adds that it may not show yet: (the core's count of requests taken with this
+    # one, its sequences).
     shared: m.EngineLoad | None = None
-    own_adds: list[int] = field(default_factory=list)
+    own_adds: list[tuple[int, int]] = field(default_factory=list)
     # A core on another host (tcp): its connection's watch, as its pid is not ours to see.
     watch: Any = None
     address: str = ""  # bound here; the core connects to it
@@ -79,11 +82,12 @@ class _Core:
         return process_exit_status(self.pid)
 
     def load(self) -> int:
+        """vLLM's score: waiting * 4 + running, in sequences."""
         shared = self.shared
         if shared is None:
             waiting = self.metrics.get("num_requests_waiting", 0) + self.added
             return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
-        unseen = sum(1 for n in self.own_adds if n > shared.num_added)
+        unseen = sum(seqs for taken, seqs in self.own_adds if taken > shared.num_added)
         return (shared.waiting + unseen) * WAITING_WEIGHT + shared.running
 
 
@@ -174,9 +178,10 @@ class EngineCoreClient:
         self.output_processor.add_request(request_id, text, ids, params, lora_request)
         self._requests[request_id] = core
         core.requests.add(request_id)
-        core.added += 1
+        sequences = params.beam_width if beam else params.n
+        core.added += sequences
         if self._loads is not None:
-            core.own_adds.append(reply.num_added)
+            core.own_adds.append((reply.num_added, sequences))
 
     def _least_loaded(self) -> _Core:
         """The core to add to: the least `waiting * 4 + running`, by the DP coordinator's
@@ -186,7 +191,7 @@ class EngineCoreClient:
             for core, load in zip(self.cores, table.engines, strict=True):
                 if load is not None:
                     core.shared = load
-                    core.own_adds = [n for n in core.own_adds if n > load.num_added]
+                    core.own_adds = [add for add in core.own_adds if add[0] > load.num_added]
         return min(self.cores, key=_Core.load)
 
     def abort_request(self, request_id: str) -> None:

@@ -1,12 +1,14 @@
 """DPCoordinator: one view of every data-parallel engine core's load, shared by all API
 servers (vLLM's `DPCoordinator`), so that each balances on the same counts.
 
-Owns the relay: each engine core pushes its `EngineLoad` (waiting and running sequences,
-requests taken so far) whenever it changes (`core.py`); the coordinator, a thread of the
-supervising process, keeps the latest of each and publishes the whole `LoadTable` to
-every API server when something changed, and every `HEARTBEAT_S` for a subscriber that
-joined late. The API server's side, `LoadView`, reads the newest table without waiting
-(`client.py` adds its own requests the table does not show yet). Used with several API
+Owns the relay: each engine core pushes its `EngineLoad` (waiting and running counted in
+sequences, as its scheduler holds them: a request with n choices counts n; and the
+requests it has taken so far) whenever it changes (`core.py`); the coordinator, a thread
+of the supervising process, keeps the latest of each and publishes the whole `LoadTable`
+to every API server when something changed, and every `HEARTBEAT_S` seconds for a
+subscriber that joined late. The API server's side, `LoadView`, reads the newest table
+without waiting (`client.py` adds the sequences of its own requests the table does not
+show yet). Used with several API
 servers and several cores; one API server already sees every request it balances. Not
 owned: choosing a core (`client.py`), the processes (`launcher.py`, `server/split.py`).
 """
@@ -118,7 +120,8 @@ class LoadView:
 
 class LoadPusher:
     """An engine core's side: pushes its load when it changed (never blocks: a load the
-    coordinator cannot take now goes with the next push)."""
+    coordinator cannot take now goes with the next push, which an idle core makes every
+    `core.PARENT_CHECK_S`, so that its row does not stay stale)."""
 
     def __init__(self, context: Any, address: str, engine_index: int) -> None:
         self._socket = context.socket(zmq.PUSH)

@@ -200,7 +200,8 @@ class EngineCore:
             return m.UtilityReply(error=str(e), error_type=kind.__name__)
 
     def push_load(self) -> None:
-        """Tells the DP coordinator this core's load, if it changed."""
+        """Tells the DP coordinator this core's load, if it changed since the last push
+        that went out."""
         if self._loads is not None:
             scheduler = self.engine.scheduler
             self._loads.push(len(scheduler.waiting), len(scheduler.running), self.num_added)
@@ -234,9 +235,12 @@ class EngineCore:
         try:
             while True:
                 events = poller.poll(int(PARENT_CHECK_S * 1000))
-                if not events and os.getppid() != parent:
-                    logger.error("engine core %d: its parent left; exiting", self.engine_index)
-                    return
+                if not events:
+                    if os.getppid() != parent:
+                        logger.error("engine core %d: its parent left; exiting", self.engine_index)
+                        return
+                    self.push_load()  # one the coordinator could not take yet: no stale row
+
                 for socket, _ in events:
                     client = sockets.index(socket).to_bytes(2, "little")
                     if not self._answer(socket, client):

@@ -95,9 +95,9 @@ class EngineLoad(msgspec.Struct, array_like=True):
     """One core's load, as it pushes it to the DP coordinator when it changes."""
 
     engine_index: int
-    waiting: int  # sequences, as the scheduler counts them
-    running: int
-    num_added: int  # the requests it has taken so far (`AddReply.num_added`)
+    waiting: int  # sequences (a request's n choices count n), as the scheduler holds them
+    running: int  # sequences
+    num_added: int  # requests (not sequences) it has taken so far (`AddReply.num_added`)
 
 
 class LoadTable(msgspec.Struct, array_like=True):
