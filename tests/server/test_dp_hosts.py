@@ -12,6 +12,7 @@ dies before its cores are ready (the head exits 1 naming its host) are clear err
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -179,6 +180,35 @@ def test_outputs_equal_transformers_on_the_local_and_the_remote_core(env):
         time.sleep(0.1)
     assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens
     assert sum(tokens.values()) == generated, tokens
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports these processes listen on (their sockets' inodes in /proc/net)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(FileNotFoundError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_only_the_head_listens(env):
+    """As vLLM: the headless host's core connects out to the head, which binds the
+    handshake port and the API server's port for rank 1 right after it."""
+    headless = [env.headless.proc.pid, *descendants(env.headless.proc.pid)]
+    assert listening_ports(headless) == set()
+    head = [env.head.proc.pid, *descendants(env.head.proc.pid)]
+    assert {env.port, env.port + 1} <= listening_ports(head)
 
 
 def test_abort_frees_both_cores_blocks(env):
