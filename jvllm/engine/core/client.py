@@ -295,22 +295,24 @@ class EngineCoreClient:
 
     def _first_info(self, core: _Core) -> m.EngineCoreInfo:
         """The info a core sends once it connected. A core on another host said it was
-        ready before this front end started: one that has not connected within
-        `handshake_timeout()` seconds, or whose connection closed, counts as dead."""
+        ready before this front end started: one that has not sent it within
+        `handshake_timeout()` seconds counts as dead; its watch follows the connection
+        it came on."""
         from jvllm.engine.core.hosts import handshake_timeout
 
         timeout = handshake_timeout()
         deadline = time.monotonic() + timeout
         while core.watch is not None and not core.socket.poll(POLL_MS):
-            lost = core.watch.lost()
-            if lost is not None:
-                raise EngineCoreDeadError(f"{core.name} died ({lost}) before its first message")
             if time.monotonic() > deadline:
                 raise EngineCoreDeadError(
                     f"{core.name} did not connect to {core.address} within {timeout:g} s "
                     "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
                 )
-        return self._receive(core, m.EngineCoreInfo)
+        if core.watch is None:
+            return self._receive(core, m.EngineCoreInfo)
+        frame = core.socket.recv(copy=False)
+        core.watch.follow(frame)  # the core's connection, from now on
+        return msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
         with self._lock:
@@ -401,7 +403,7 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
     if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
         from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
 
-        watch = ConnectionWatch(with_heartbeat(socket))
+        watch = ConnectionWatch(with_heartbeat(socket), bound=True)
     try:
         socket.bind(address)
     except zmq.ZMQError as e:

@@ -114,25 +114,29 @@ def with_heartbeat(socket: Any) -> Any:
 
 
 class ConnectionWatch:
-    """Whether a socket's peer went away: its connection closed or went silent, and no
-    other is open (a stray connection to a bound port that comes and goes does not
-    count). Made before the socket binds or connects; `lost()` may be called from any
-    thread."""
+    """Whether a socket's peer went away: its connection closed, or went silent and the
+    heartbeat closed it. On a connecting socket, its connection; on a bound one, the
+    connection its peer's first message came on (`follow`), so that another connection
+    to the port (a port scan) that comes and goes does not count. Made before the socket
+    binds or connects; `lost()` may be called from any thread."""
 
-    def __init__(self, socket: Any) -> None:
-        self._socket = socket
-        events = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        self._monitor = socket.get_monitor_socket(events)
+    def __init__(self, socket: Any, bound: bool = False) -> None:
+        self._socket, self._bound = socket, bound
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._lock = threading.Lock()
-        self._open = 0  # connections now
+        self._fd: int | None = None  # a bound socket's followed connection
         self._lost: str | None = None
+
+    def follow(self, frame: Any) -> None:
+        """Watches the connection that `frame`, received on the bound socket, came on."""
+        with self._lock:
+            self._fd = frame.get(zmq.SRCFD)
 
     def lost(self) -> str | None:
         with self._lock:
             while self._lost is None and self._monitor is not None and self._monitor.poll(0):
-                event = recv_monitor_message(self._monitor)["event"]
-                self._open += -1 if event == zmq.EVENT_DISCONNECTED else 1
-                if self._open == 0:
+                fd = int(recv_monitor_message(self._monitor)["value"])  # the closed connection's
+                if not self._bound or fd == self._fd:
                     self._lost = "its connection closed"
             return self._lost
 
