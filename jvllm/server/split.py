@@ -75,7 +75,7 @@ def run_split_server(
 ) -> int:
     """Starts the cores, serves (here, or in N front-end processes), stops the cores."""
     from jvllm.engine.core.coordinator import DPCoordinator
-    from jvllm.engine.core.hosts import run_headless
+    from jvllm.engine.core.hosts import head_port, run_headless
 
     processes = processes or ProcessConfig()
     dp = processes.data_parallel
@@ -86,12 +86,15 @@ def run_split_server(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # Several API servers balancing over several cores share one view of their loads.
     shared = processes.api_server_count > 1 and num_cores > 1
-    remote_host = dp.data_parallel_address if dp.multi_host else None
-    coordinator = DPCoordinator(num_cores, remote_host) if shared else None
+    remote_loads = None
+    if dp.multi_host:  # the remote cores push their loads to the head's last port
+        port = head_port(dp, processes.api_server_count, None)
+        remote_loads = f"tcp://{dp.data_parallel_address}:{port}"
+    coordinator = DPCoordinator(num_cores, remote_loads) if shared else None
     if coordinator is not None:
         logger.info("DP coordinator: loads published on %s", coordinator.output_address)
     try:
-        cores = _start_cores(engine_args, dp, coordinator)
+        cores = _start_cores(engine_args, processes, coordinator)
     except BaseException:
         if coordinator is not None:
             coordinator.stop()
@@ -99,7 +102,7 @@ def run_split_server(
     try:
         if processes.api_server_count == 1:
             return run_frontend(
-                engine_args, config, model_path, is_demo, cores.addresses, cores.pids
+                engine_args, config, model_path, is_demo, cores.addresses_for(0), cores.pids
             )
         loads = coordinator.output_address if coordinator else None
         return _supervise(engine_args, config, model_path, is_demo, cores, processes, loads)
@@ -112,19 +115,20 @@ def run_split_server(
         logger.info("engine cores stopped")
 
 
-def _start_cores(engine_args: Any, dp: Any, coordinator: Any) -> Any:
-    """This host's cores, and those of other hosts once they registered (`hosts.py`)."""
+def _start_cores(engine_args: Any, processes: ProcessConfig, coordinator: Any) -> Any:
+    """This host's cores, and those of other hosts once they are ready (`hosts.py`)."""
     from jvllm.engine.core.hosts import AllCores, RemoteCores
     from jvllm.engine.core.launcher import EngineCoreProcs
 
-    local = EngineCoreProcs(
-        engine_args, dp.local_size, coordinator.input_address if coordinator else None
-    )
+    dp, api_servers = processes.data_parallel, processes.api_server_count
+    loads = coordinator.input_address if coordinator else None
+    local = EngineCoreProcs(engine_args, dp.local_size, loads, num_frontends=api_servers)
     if not dp.multi_host:
         return local
     remote = None
     try:
-        remote = RemoteCores(dp, coordinator.remote_input_address if coordinator else None)
+        loads = coordinator.remote_input_address if coordinator else None
+        remote = RemoteCores(dp, api_servers, loads)
         remote.wait(local.dead)
     except BaseException:
         if remote is not None:
@@ -148,7 +152,7 @@ def run_frontend(
     reuse_port: bool = False,
     loads_address: str | None = None,
 ) -> int:
-    """One API server front end on the cores at `addresses` (balancing by the DP
+    """One API server front end, bound at `addresses` for the cores (balancing by the DP
     coordinator's table at `loads_address`, if given); its exit status."""
     from jvllm.engine.core.client import EngineCoreClient
     from jvllm.tokenizer_loading import load_tokenizer
@@ -257,7 +261,7 @@ def _supervise(
                 config,
                 model_path,
                 is_demo,
-                cores.addresses,
+                cores.addresses_for(i),
                 cores.pids,
                 i,
                 loads_address,

@@ -1,16 +1,18 @@
 """Data parallelism across hosts, localhost standing in for two: a head (`jvllm serve -dp 2
 --data-parallel-size-local 1 --data-parallel-address --data-parallel-rpc-port`, the API
 server and rank 0) and a `--headless` process (rank 1, engine core only) that registers
-with it over TCP. Through the official openai client: outputs equal Transformers' greedy
+with it over TCP, its core connecting out to the head's ports (as vLLM: the headless
+host listens on none). Through the official openai client: outputs equal Transformers' greedy
 ones with both cores used, an abort frees both cores' blocks, SIGTERM on the head drains
 both and both processes exit 0; killing a headless process fails its in-flight request
 with a 503 naming the core, /health 503, the head exits non-zero; no process or port is
-left behind. Also: bad flag combinations and a headless process with no head are clear
-errors."""
+left behind. Also: bad flag combinations, a headless process with no head, and one that
+dies before its cores are ready (the head exits 1 naming its host) are clear errors."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -39,10 +41,19 @@ def dp_flags(size: int, local: int, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (the head's handshake port, then one
+    per remote rank for its API server)."""
+    while True:
+        port = free_port()
+        if port + count <= 65536 and all(port_free(p) for p in range(port, port + count)):
+            return port
+
+
 def start_pair(path: str, size: int, head_local: int) -> tuple[ServerProcess, ServerProcess, int]:
     """A head with `head_local` ranks, and a headless process with the others. The head's
     logprobs name tokens "token_id:<id>"."""
-    port = free_port()
+    port = free_ports(1 + size - head_local)
     head_flags = [*dp_flags(size, head_local, port), "--return-tokens-as-token-ids"]
     head = ServerProcess([path, *SMALL_ENGINE, *head_flags])
     rest = dp_flags(size, size - head_local, port)
@@ -62,11 +73,12 @@ def port_free(port: int) -> bool:
     return True
 
 
-def headless_cores(headless: ServerProcess) -> list[tuple[int, int]]:
-    """(port, pid) of each of the headless process's cores, from its log."""
-    found = re.search(r"engine cores \[([^\]]*)\] \(pids \[([^\]]*)\]\) serving", headless.log())
-    ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", found.group(1))]
-    return list(zip(ports, [int(p) for p in found.group(2).split(",")], strict=True))
+def headless_pids(headless: ServerProcess) -> list[int]:
+    """The pids of the headless process's cores, from its log."""
+    found = re.search(
+        r"engine cores of DP ranks \[[^\]]*\] \(pids \[([^\]]*)\]\) serving", headless.log()
+    )
+    return [int(p) for p in found.group(1).split(",")]
 
 
 def wait_running(url: str, count: int) -> dict[str, float]:
@@ -170,6 +182,35 @@ def test_outputs_equal_transformers_on_the_local_and_the_remote_core(env):
     assert sum(tokens.values()) == generated, tokens
 
 
+def listening_ports(pids: list[int]) -> set[int]:
+    """The TCP ports these processes listen on (their sockets' inodes in /proc/net)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(FileNotFoundError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_only_the_head_listens(env):
+    """As vLLM: the headless host's core connects out to the head, which binds the
+    handshake port and the API server's port for rank 1 right after it."""
+    headless = [env.headless.proc.pid, *descendants(env.headless.proc.pid)]
+    assert listening_ports(headless) == set()
+    head = [env.head.proc.pid, *descendants(env.head.proc.pid)]
+    assert {env.port, env.port + 1} <= listening_ports(head)
+
+
 def test_abort_frees_both_cores_blocks(env):
     """Two streams opened at once, one on each core (the second goes to the idle one),
     closed after their first chunk: both cores stop them early and free every block."""
@@ -214,7 +255,7 @@ def test_sigterm_on_the_head_drains_both_cores_and_stops_the_headless(env):
     exit 0, no process or port left."""
     head, headless = env.head, env.headless
     processes = descendants(head.proc.pid) + descendants(headless.proc.pid)
-    ports = [env.port, *(port for port, _ in headless_cores(headless))]
+    ports = [env.port, env.port + 1]  # the handshake's, the API server's for rank 1
     max_tokens = 250  # the prompt's 3 tokens + 250 <= max_model_len 256
     body = {"prompt": env.prompts[0], "max_tokens": max_tokens, "ignore_eos": True}
     streamed = {"stream": True, "stream_options": {"include_usage": True}}
@@ -252,7 +293,7 @@ def test_killed_headless_process_fails_its_requests_names_its_core(checkpoints):
     try:
         head.wait_ready()
         processes = descendants(head.proc.pid) + descendants(headless.proc.pid)
-        [(core_port, core_pid)] = headless_cores(headless)
+        [core_pid] = headless_pids(headless)
         body = {"prompt": prompts(6, [8])[0], "max_tokens": 200, "ignore_eos": True}
         with (
             httpx.Client(base_url=head.url, timeout=60) as client,
@@ -263,12 +304,30 @@ def test_killed_headless_process_fails_its_requests_names_its_core(checkpoints):
             os.kill(headless.proc.pid, signal.SIGKILL)
             events = [line[6:] for line in lines if line.startswith("data: {")]
         errors = [json.loads(e)["error"] for e in events if '"error"' in e]
-        name = f"engine core 0 (pid {core_pid} at 127.0.0.1:{core_port}) died"
+        name = f"engine core 0 (pid {core_pid} on {socket.gethostname()}) died"
         assert any(e["code"] == "engine_dead" and name in e["message"] for e in errors), errors
         assert httpx.get(head.url + "/health", timeout=10).status_code == 503
         assert head.wait_exit(30) != 0
         assert not left_alive(processes)
-        assert port_free(port) and port_free(core_port)
+        assert port_free(port) and port_free(port + 1)
+    finally:
+        head.stop()
+        headless.stop()
+
+
+def test_headless_process_dying_before_its_cores_are_ready_fails_the_head(checkpoints):
+    """Killed once registered, while its core still builds: the head (no core of its own)
+    exits 1 naming the host, and leaves no process or port behind."""
+    head, headless, port = start_pair(str(checkpoints["llama"]), 1, 0)
+    try:
+        assert head.wait_for_log("registered: ranks [0]", 120), head.log()[-3000:]
+        processes = descendants(head.proc.pid) + descendants(headless.proc.pid)
+        os.kill(headless.proc.pid, signal.SIGKILL)
+        assert head.wait_exit(60) == 1
+        went = f"the headless process on {socket.gethostname()} (DP ranks [0]) went away before"
+        assert went in head.log(), head.log()[-3000:]
+        assert not left_alive(processes)
+        assert port_free(port)
     finally:
         head.stop()
         headless.stop()

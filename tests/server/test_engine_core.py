@@ -277,7 +277,7 @@ def test_killed_engine_core_fails_requests_names_it_and_leaves_nothing(env):
     processes = descendants(server.proc.pid)
     cores = [int(p) for p in re.findall(r"started 2 engine core\(s\): pids \[(\d+), (\d+)\]",
                                         server.log())[0]]  # fmt: skip
-    sockets_dir = re.search(r"serving on ipc://(\S+)/core0", server.log()).group(1)
+    sockets_dir = re.search(r"serving \['ipc://(\S+)/frontend0_core0'", server.log()).group(1)
     body = {"prompt": env.prompts[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=server.url, timeout=60) as client,

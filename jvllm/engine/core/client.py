@@ -2,23 +2,25 @@
 shape of `LLMEngine` that `AsyncLLM` drives (vLLM's `EngineCoreClient` with its
 data-parallel load balancing).
 
-Owns, in the front end: tokenizing prompts and checking requests before they leave
-(`validation.py`, so a bad one is a 400 without a round trip), choosing a data-parallel
-engine core for each request (the least `waiting * 4 + running`, vLLM's coordinator's
-score, by the DP coordinator's table of every core's load where several API servers
-share the cores: `coordinator.py`), turning the cores' token ids into RequestOutputs
-(`detokenizing.py`: text, stop strings, cumulative or delta as the request asked) and
-aborting in its core a request that a stop string ended, the engine metrics of every
-core, utility calls (broadcast to every core), and noticing a dead core: the step that
-waits on it raises `EngineCoreDeadError` naming it, which `AsyncLLM` turns into a
-failure of every in-flight request. Every call runs on the one AsyncLLM engine thread,
-as `LLMEngine`'s would. Not owned: starting or stopping the core processes
-(`launcher.py`), the engine itself (`core.py`).
+Owns, in the front end: one socket per core, bound here for the core to connect to (as
+vLLM: a core on another host needs no port of its own), tokenizing prompts and checking
+requests before they leave (`validation.py`, so a bad one is a 400 without a round
+trip), choosing a data-parallel engine core for each request (the least `waiting * 4 +
+running`, vLLM's coordinator's score, by the DP coordinator's table of every core's
+load where several API servers share the cores: `coordinator.py`), turning the cores'
+token ids into RequestOutputs (`detokenizing.py`: text, stop strings, cumulative or
+delta as the request asked) and aborting in its core a request that a stop string
+ended, the engine metrics of every core, utility calls (broadcast to every core), and
+noticing a dead core: the step that waits on it raises `EngineCoreDeadError` naming it,
+which `AsyncLLM` turns into a failure of every in-flight request. Every call runs on
+the one AsyncLLM engine thread, as `LLMEngine`'s would. Not owned: starting or stopping
+the core processes (`launcher.py`), the engine itself (`core.py`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,22 +53,26 @@ class EngineCoreDeadError(EngineDeadError):
 class _Core:
     index: int
     pid: int
-    socket: Any  # a zmq DEALER connected to the core's ROUTER
+    socket: Any  # a zmq DEALER bound here, the core's DEALER connected to it
     info: m.EngineCoreInfo | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
-    added: int = 0  # requests added since its last step reply (not yet in its metrics)
+    # Sequences (a request's n choices, or its beams) added since its last step reply,
+    # not yet in its metrics: the core's counts are of sequences too.
+    added: int = 0
     # With a DP coordinator: the core's load as every API server sees it, and this front
-    # end's adds (by the core's count) that it may not show yet.
+    # end's adds that it may not show yet: (the core's count of requests taken with this
+    # one, its sequences).
     shared: m.EngineLoad | None = None
-    own_adds: list[int] = field(default_factory=list)
+    own_adds: list[tuple[int, int]] = field(default_factory=list)
     # A core on another host (tcp): its connection's watch, as its pid is not ours to see.
     watch: Any = None
-    address: str = ""
+    address: str = ""  # bound here; the core connects to it
+    host: str = ""  # the host it runs on (from its info)
 
     @property
     def name(self) -> str:
-        where = f" at {self.address.removeprefix('tcp://')}" if self.watch is not None else ""
+        where = f" on {self.host}" if self.watch is not None and self.host else ""
         return f"engine core {self.index} (pid {self.pid}{where})"
 
     def exit_status(self) -> str | None:
@@ -76,16 +82,18 @@ class _Core:
         return process_exit_status(self.pid)
 
     def load(self) -> int:
+        """vLLM's score: waiting * 4 + running, in sequences."""
         shared = self.shared
         if shared is None:
             waiting = self.metrics.get("num_requests_waiting", 0) + self.added
             return waiting * WAITING_WEIGHT + self.metrics.get("num_requests_running", 0)
-        unseen = sum(1 for n in self.own_adds if n > shared.num_added)
+        unseen = sum(seqs for taken, seqs in self.own_adds if taken > shared.num_added)
         return (shared.waiting + unseen) * WAITING_WEIGHT + shared.running
 
 
 class EngineCoreClient:
-    """`LLMEngine`'s methods, answered by engine cores at `addresses` (one per DP rank)."""
+    """`LLMEngine`'s methods, answered by engine cores that connect to `addresses` (bound
+    here, one per DP rank)."""
 
     def __init__(
         self,
@@ -102,24 +110,20 @@ class EngineCoreClient:
         # The sockets' one user at a time: the engine thread, or a LoRA load's worker.
         self._lock = threading.RLock()
         self.cores: list[_Core] = []
-        for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            watch = None
-            if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
-                from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
-
-                watch = ConnectionWatch(with_heartbeat(socket))
-            socket.connect(address)
-            self.cores.append(_Core(index, pid, socket, watch=watch, address=address))
+        try:
+            for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
+                self.cores.append(_bind(self._context, index, pid, address))
+        except BaseException:
+            self.close()
+            raise
         self._loads: Any = None
         if loads_address is not None:
             from jvllm.engine.core.coordinator import LoadView
 
             self._loads = LoadView(self._context, loads_address)
-        infos = [self._call(core, m.Hello(), m.EngineCoreInfo) for core in self.cores]
+        infos = [self._first_info(core) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
-            core.info, core.metrics = info, info.metrics
+            core.info, core.metrics, core.host = info, info.metrics, info.hostname
         first = infos[0]
         _check_alike(infos)
         self.tokenizer = tokenizer
@@ -174,9 +178,10 @@ class EngineCoreClient:
         self.output_processor.add_request(request_id, text, ids, params, lora_request)
         self._requests[request_id] = core
         core.requests.add(request_id)
-        core.added += 1
+        sequences = params.beam_width if beam else params.n
+        core.added += sequences
         if self._loads is not None:
-            core.own_adds.append(reply.num_added)
+            core.own_adds.append((reply.num_added, sequences))
 
     def _least_loaded(self) -> _Core:
         """The core to add to: the least `waiting * 4 + running`, by the DP coordinator's
@@ -186,7 +191,7 @@ class EngineCoreClient:
             for core, load in zip(self.cores, table.engines, strict=True):
                 if load is not None:
                     core.shared = load
-                    core.own_adds = [n for n in core.own_adds if n > load.num_added]
+                    core.own_adds = [add for add in core.own_adds if add[0] > load.num_added]
         return min(self.cores, key=_Core.load)
 
     def abort_request(self, request_id: str) -> None:
@@ -278,7 +283,7 @@ class EngineCoreClient:
         return all(self.call_utility("reset_prefix_cache"))
 
     def close(self) -> None:
-        if self._loads is not None:
+        if getattr(self, "_loads", None) is not None:
             self._loads.close()
         for core in self.cores:
             if core.watch is not None:
@@ -287,6 +292,27 @@ class EngineCoreClient:
         self._context.term()
 
     # -- the sockets --
+
+    def _first_info(self, core: _Core) -> m.EngineCoreInfo:
+        """The info a core sends once it connected. A core on another host said it was
+        ready before this front end started: one that has not sent it within
+        `handshake_timeout()` seconds counts as dead; its watch follows the connection
+        it came on."""
+        from jvllm.engine.core.hosts import handshake_timeout
+
+        timeout = handshake_timeout()
+        deadline = time.monotonic() + timeout
+        while core.watch is not None and not core.socket.poll(POLL_MS):
+            if time.monotonic() > deadline:
+                raise EngineCoreDeadError(
+                    f"{core.name} did not connect to {core.address} within {timeout:g} s "
+                    "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
+                )
+        if core.watch is None:
+            return self._receive(core, m.EngineCoreInfo)
+        frame = core.socket.recv(copy=False)
+        core.watch.follow(frame)  # the core's connection, from now on
+        return msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
         with self._lock:
@@ -364,6 +390,31 @@ def _check_alike(infos: list[m.EngineCoreInfo]) -> None:
                     f"core {first.engine_index} {getattr(first, key)}: every DP rank must be "
                     "started with the same model and flags"
                 )
+
+
+def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
+    """Core `index`'s socket, bound at `address` for the core to connect to (as vLLM's
+    front end); a TCP one (a core on another host) with heartbeats and a watch."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    watch = None
+    if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
+        from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+
+        watch = ConnectionWatch(with_heartbeat(socket), bound=True)
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as e:
+        if watch is not None:
+            watch.close()
+        socket.close()
+        raise ValueError(
+            f"cannot listen for engine core {index} on {address} ({e}): the head's ports "
+            "from --data-parallel-rpc-port up must be free on --data-parallel-address"
+        ) from None
+    return _Core(index, pid, socket, watch=watch, address=address)
 
 
 def _tokenize(

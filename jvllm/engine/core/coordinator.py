@@ -1,12 +1,14 @@
 """DPCoordinator: one view of every data-parallel engine core's load, shared by all API
 servers (vLLM's `DPCoordinator`), so that each balances on the same counts.
 
-Owns the relay: each engine core pushes its `EngineLoad` (waiting and running sequences,
-requests taken so far) whenever it changes (`core.py`); the coordinator, a thread of the
-supervising process, keeps the latest of each and publishes the whole `LoadTable` to
-every API server when something changed, and every `HEARTBEAT_S` for a subscriber that
-joined late. The API server's side, `LoadView`, reads the newest table without waiting
-(`client.py` adds its own requests the table does not show yet). Used with several API
+Owns the relay: each engine core pushes its `EngineLoad` (waiting and running counted in
+sequences, as its scheduler holds them: a request with n choices counts n; and the
+requests it has taken so far) whenever it changes (`core.py`); the coordinator, a thread
+of the supervising process, keeps the latest of each and publishes the whole `LoadTable`
+to every API server when something changed, and every `HEARTBEAT_S` seconds for a
+subscriber that joined late. The API server's side, `LoadView`, reads the newest table
+without waiting (`client.py` adds the sequences of its own requests the table does not
+show yet). Used with several API
 servers and several cores; one API server already sees every request it balances. Not
 owned: choosing a core (`client.py`), the processes (`launcher.py`, `server/split.py`).
 """
@@ -35,9 +37,9 @@ class DPCoordinator:
     """The coordinator thread; cores push to `input_address`, API servers subscribe to
     `output_address`."""
 
-    def __init__(self, num_engines: int, remote_host: str | None = None) -> None:
-        """`remote_host`: also take loads over TCP on this address (`remote_input_address`),
-        from cores on other hosts."""
+    def __init__(self, num_engines: int, remote_input_address: str | None = None) -> None:
+        """`remote_input_address`: also take loads there (tcp://IP:PORT), from cores on
+        other hosts."""
         self._dir = tempfile.mkdtemp(prefix="jvllm-coordinator-")
         self.input_address = f"ipc://{self._dir}/loads_in"
         self.output_address = f"ipc://{self._dir}/loads_out"
@@ -48,10 +50,15 @@ class DPCoordinator:
             socket.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.input_address)
         self._pub.bind(self.output_address)
-        self.remote_input_address = None
-        if remote_host is not None:
-            port = self._pull.bind_to_random_port(f"tcp://{remote_host}")
-            self.remote_input_address = f"tcp://{remote_host}:{port}"
+        self.remote_input_address = remote_input_address
+        if remote_input_address is not None:
+            try:
+                self._pull.bind(remote_input_address)
+            except zmq.ZMQError as e:
+                self._close()
+                raise ValueError(
+                    f"the DP coordinator cannot listen on {remote_input_address} ({e})"
+                ) from None
         self._table = m.LoadTable([None] * num_engines)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jvllm-dp-coordinator", daemon=True)
@@ -77,6 +84,9 @@ class DPCoordinator:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        self._close()
+
+    def _close(self) -> None:
         self._pull.close()
         self._pub.close()
         self._context.term()
@@ -110,7 +120,8 @@ class LoadView:
 
 class LoadPusher:
     """An engine core's side: pushes its load when it changed (never blocks: a load the
-    coordinator cannot take now goes with the next push)."""
+    coordinator cannot take now goes with the next push, which an idle core makes every
+    `core.PARENT_CHECK_S`, so that its row does not stay stale)."""
 
     def __init__(self, context: Any, address: str, engine_index: int) -> None:
         self._socket = context.socket(zmq.PUSH)

@@ -1,5 +1,5 @@
-"""EngineCore: one engine in a process of its own, serving front ends over a zmq socket
-(vLLM's `EngineCoreProc`).
+"""EngineCore: one engine in a process of its own, serving front ends over zmq sockets it
+connects out to (vLLM's `EngineCoreProc`).
 
 Owns the engine (`LLMEngine`: scheduler, KV manager, runner, and committing each step's
 tokens) inside the core process, and the loop that answers the front ends' messages
@@ -23,6 +23,7 @@ import os
 import signal
 from collections import defaultdict
 from collections.abc import Callable
+from socket import gethostname
 from typing import Any
 
 import msgspec
@@ -105,6 +106,7 @@ class EngineCore:
             scheduling_policy=engine.config.scheduler_config.scheduling_policy,
             cache_config=dataclasses.asdict(engine.config.cache_config),
             metrics=dict(engine.get_metrics()),
+            hostname=gethostname(),
         )
 
     def handle(self, client: bytes, message: m.Request) -> msgspec.Struct | None:
@@ -198,49 +200,86 @@ class EngineCore:
             return m.UtilityReply(error=str(e), error_type=kind.__name__)
 
     def push_load(self) -> None:
-        """Tells the DP coordinator this core's load, if it changed."""
+        """Tells the DP coordinator this core's load, if it changed since the last push
+        that went out."""
         if self._loads is not None:
             scheduler = self.engine.scheduler
             self._loads.push(len(scheduler.waiting), len(scheduler.running), self.num_added)
 
-    def run(self, address: str, loads_address: str | None = None) -> None:
-        """Serves front ends on `address` until told to shut down, or until the process
-        that started it (`launcher.py`) is gone; pushes its load to the DP coordinator
-        at `loads_address`, if given."""
+    def run(
+        self, frontends: list[str], loads_address: str | None = None, ready: Any = None
+    ) -> None:
+        """Connects out to each front end's socket at `frontends` (as vLLM: the front ends
+        bind, so a core on another host needs no port of its own), sends each its info,
+        says it serves on `ready` (a pipe to the process that started it), then answers
+        the front ends until told to shut down, or until that process is gone; pushes
+        its load to the DP coordinator at `loads_address`, if given."""
         import zmq
 
         from jvllm.engine.core.coordinator import LoadPusher
 
         parent = os.getppid()
         context = zmq.Context()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(address)
+        sockets = [_connect(context, address) for address in frontends]
+        info = m.encode(self.info())
+        for socket in sockets:
+            socket.send(info)  # a front end reads it before anything else
+        poller = zmq.Poller()
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
         if loads_address is not None:
             self._loads = LoadPusher(context, loads_address, self.engine_index)
+        if ready is not None:
+            ready.send(os.getpid())
+            ready.close()
         try:
             while True:
-                if not socket.poll(int(PARENT_CHECK_S * 1000)):
+                events = poller.poll(int(PARENT_CHECK_S * 1000))
+                if not events:
                     if os.getppid() != parent:
                         logger.error("engine core %d: its parent left; exiting", self.engine_index)
                         return
-                    continue
-                client, payload = socket.recv_multipart(copy=False)
-                message = m.decode_request(payload.bytes)
-                if isinstance(message, m.Shutdown):
-                    return
-                reply = self.handle(client.bytes, message)
-                if reply is not None:
-                    socket.send_multipart([client, m.encode(reply)], copy=False)
-                self.push_load()
-                if isinstance(message, m.Step):
-                    self.run_ahead()
-                    self.push_load()
+                    self.push_load()  # one the coordinator could not take yet: no stale row
+
+                for socket, _ in events:
+                    client = sockets.index(socket).to_bytes(2, "little")
+                    if not self._answer(socket, client):
+                        return
         finally:
             if self._loads is not None:
                 self._loads.close()
-            socket.close()
+            for socket in sockets:
+                socket.close()
             context.term()
+
+    def _answer(self, socket: Any, client: bytes) -> bool:
+        """Handles one message from front end `client`; False once told to shut down."""
+        message = m.decode_request(socket.recv(copy=False).bytes)
+        if isinstance(message, m.Shutdown):
+            return False
+        reply = self.handle(client, message)
+        if reply is not None:
+            socket.send(m.encode(reply), copy=False)
+        self.push_load()
+        if isinstance(message, m.Step):
+            self.run_ahead()
+            self.push_load()
+        return True
+
+
+def _connect(context: Any, address: str) -> Any:
+    """A DEALER to a front end's socket; over TCP (another host) with heartbeats, so that
+    a silent connection is dropped and both sides see it."""
+    import zmq
+
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if address.startswith("tcp://"):
+        from jvllm.engine.core.hosts import with_heartbeat
+
+        with_heartbeat(socket)
+    socket.connect(address)
+    return socket
 
 
 def _wire(output: RequestOutput) -> m.WireOutput:
@@ -274,13 +313,15 @@ def _die_with_parent() -> None:
 def run_engine_core(
     engine_args: Any,
     engine_index: int,
-    address: str,
+    frontends: list[str],
     devices: str,
     loads_address: str | None = None,
+    ready: Any = None,
 ) -> None:
     """The core process's entry (`launcher.py` starts it): build the engine on this
-    rank's devices, then serve (pushing its load to the DP coordinator at
-    `loads_address`, if any). SIGINT is left to the parent, which stops the cores."""
+    rank's devices, then serve the front ends at `frontends` (pushing its load to the DP
+    coordinator at `loads_address`, if any; saying so on the pipe `ready`). SIGINT is
+    left to the parent, which stops the cores."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -290,5 +331,5 @@ def run_engine_core(
         level=logging.INFO, format=f"%(asctime)s EngineCore_DP{engine_index} %(message)s"
     )
     engine = engine_args.create_engine()
-    logger.info("engine core %d (pid %d) serving on %s", engine_index, os.getpid(), address)
-    EngineCore(engine, engine_index).run(address, loads_address)
+    logger.info("engine core %d (pid %d) serving %s", engine_index, os.getpid(), frontends)
+    EngineCore(engine, engine_index).run(frontends, loads_address, ready)

@@ -5,15 +5,17 @@ The head (`jvllm serve M -dp N --data-parallel-size-local L --data-parallel-addr
 tcp://IP:P (`RemoteCores`). A headless process (`--headless --data-parallel-start-rank
 R`, `run_headless`) runs ranks R .. R+L'-1 and no API server: it registers with the head
 (`Register` -> `Welcome`, within `handshake_timeout()` seconds or it exits with an
-error), starts its cores, each serving on a TCP port of the address this host reaches
-the head from, and tells the head their addresses (`Ready`). The head's front ends then
-connect to them as to local cores. The headless process stays connected, stops its cores
-and exits 0 when the head says `Stop` (the head's drain) or it gets SIGTERM, and exits 1
-if the head goes away or one of its cores dies. A remote core's death is seen by the
-front end as its connection closing (`ConnectionWatch`; zmq heartbeats every
-`HEARTBEAT_IVL_MS` close a connection silent for `HEARTBEAT_TIMEOUT_MS`, so a host that
-vanished counts too). Not owned: the flags (`server/process_args.py`), local processes
-(`launcher.py`), the messages between front end and core (`messages.py`).
+error), learns from the `Welcome` the head's ports its cores connect out to (as vLLM:
+the head binds, so only the head's ports need to be reachable; `head_port`), starts its
+cores and tells the head once they built their engines and connected (`Ready`). The
+head probes a registered process until then (`Ping`), so one that dies first is an
+error naming its host. The headless process stays connected, stops its cores and exits
+0 when the head says `Stop` (the head's drain) or it gets SIGTERM, and exits 1 if the
+head goes away or one of its cores dies. A remote core's death is seen by the front end
+as its connection closing (`ConnectionWatch`; zmq heartbeats every `HEARTBEAT_IVL_MS`
+close a connection silent for `HEARTBEAT_TIMEOUT_MS`, so a host that vanished counts
+too). Not owned: the flags (`server/process_args.py`), local processes (`launcher.py`),
+the messages between front end and core (`messages.py`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import socket as pysocket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jvllm.engine.core import messages as m
-from jvllm.engine.core.client import process_exit_status
 
 logger = logging.getLogger("jvllm.engine_core")
 
@@ -44,6 +46,8 @@ POLL_MS = 100
 STOP_WAIT_S = 10.0
 # Seconds between the head's log lines while it waits for remote ranks.
 WAITING_LOG_S = 30.0
+# Seconds between the head's probes of a registered headless process whose cores start.
+PROBE_S = 1.0
 
 
 class Register(msgspec.Struct, tag="register"):
@@ -56,11 +60,16 @@ class Register(msgspec.Struct, tag="register"):
 class Welcome(msgspec.Struct, tag="welcome"):
     error: str | None = None
     loads_address: str | None = None  # the DP coordinator's, if the head runs one
+    # Per registered rank: the head's addresses its core connects to, one per API server.
+    frontends: list[list[str]] = []
 
 
 class Ready(msgspec.Struct, tag="ready"):
-    addresses: list[str]
     pids: list[int]
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """The head's probe of a registered process (sending fails once it is gone)."""
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -75,7 +84,7 @@ class Stopped(msgspec.Struct, tag="stopped"):
     pass
 
 
-Handshake = Register | Welcome | Ready | Failed | Stop | Stopped
+Handshake = Register | Welcome | Ready | Ping | Failed | Stop | Stopped
 _decoder = msgspec.msgpack.Decoder(Handshake)
 
 
@@ -83,6 +92,17 @@ def handshake_timeout() -> float:
     """Seconds a headless process waits for the head's answer (JVLLM_DP_HANDSHAKE_TIMEOUT_S,
     default 30)."""
     return float(os.environ.get("JVLLM_DP_HANDSHAKE_TIMEOUT_S", "30"))
+
+
+def head_port(dp: Any, api_server_count: int, frontend: int | None, rank: int = 0) -> int:
+    """The head's TCP port for remote rank `rank`'s core and API server `frontend` (None:
+    the DP coordinator's, which takes the remote cores' loads). After the handshake's
+    port P come API server 0's ports for the remote ranks in order, then API server 1's,
+    ..., then the coordinator's: P+1 .. P+A*R+1 for A API servers and R remote ranks."""
+    remote = dp.data_parallel_size - dp.local_size
+    if frontend is None:
+        return dp.rpc_port + 1 + api_server_count * remote
+    return dp.rpc_port + 1 + frontend * remote + rank - dp.local_size
 
 
 def with_heartbeat(socket: Any) -> Any:
@@ -94,19 +114,30 @@ def with_heartbeat(socket: Any) -> Any:
 
 
 class ConnectionWatch:
-    """Whether a connected socket's peer went away (its connection closed or went silent).
-    Made before the socket connects; `lost()` may be called from any thread."""
+    """Whether a socket's peer went away: its connection closed, or went silent and the
+    heartbeat closed it. On a connecting socket, its connection; on a bound one, the
+    connection its peer's first message came on (`follow`), so that another connection
+    to the port (a port scan) that comes and goes does not count. Made before the socket
+    binds or connects; `lost()` may be called from any thread."""
 
-    def __init__(self, socket: Any) -> None:
-        self._socket = socket
+    def __init__(self, socket: Any, bound: bool = False) -> None:
+        self._socket, self._bound = socket, bound
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._lock = threading.Lock()
+        self._fd: int | None = None  # a bound socket's followed connection
         self._lost: str | None = None
+
+    def follow(self, frame: Any) -> None:
+        """Watches the connection that `frame`, received on the bound socket, came on."""
+        with self._lock:
+            self._fd = frame.get(zmq.SRCFD)
 
     def lost(self) -> str | None:
         with self._lock:
-            if self._lost is None and self._monitor is not None and self._monitor.poll(0):
-                self._lost = "its connection closed"
+            while self._lost is None and self._monitor is not None and self._monitor.poll(0):
+                fd = int(recv_monitor_message(self._monitor)["value"])  # the closed connection's
+                if not self._bound or fd == self._fd:
+                    self._lost = "its connection closed"
             return self._lost
 
     def close(self) -> None:
@@ -117,14 +148,29 @@ class ConnectionWatch:
                 self._monitor = None
 
 
+class _Claim(NamedTuple):
+    """A registered headless process: its DP ranks and host."""
+
+    ranks: list[int]
+    hostname: str
+
+
 class RemoteCores:
     """The head's side: takes the registrations of headless processes for ranks
-    `local .. size-1`, and stops them on shutdown."""
+    `local .. size-1`, tells each the head's ports its cores connect to, probes it until
+    they are ready, and stops them on shutdown."""
 
-    def __init__(self, dp: Any, loads_address: str | None) -> None:
-        self._dp, self._loads_address = dp, loads_address
+    def __init__(self, dp: Any, api_server_count: int, loads_address: str | None) -> None:
+        self._dp, self._api_servers, self._loads_address = dp, api_server_count, loads_address
+        last = head_port(dp, api_server_count, None)
+        if last > 65535:
+            raise ValueError(
+                f"--data-parallel-rpc-port {dp.rpc_port} is too high: the head listens on "
+                f"ports {dp.rpc_port} .. {last} (the handshake, one per API server and remote "
+                "rank, the DP coordinator), which must be <= 65535"
+            )
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket = with_heartbeat(self._context.socket(zmq.ROUTER))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a peer gone: an error, not a drop
         try:
@@ -136,65 +182,85 @@ class RemoteCores:
                 "--data-parallel-address must be this host's IP and the port free"
             ) from None
         self._pending = set(range(dp.local_size, dp.data_parallel_size))
-        self._claims: dict[bytes, list[int]] = {}  # headless process -> its ranks
-        self.addresses: dict[int, str] = {}
-        self.pids: dict[int, int] = {}
+        self._claims: dict[bytes, _Claim] = {}  # headless process -> its ranks and host
+        self.pids: dict[int, int] = {}  # remote rank -> its core's pid, once ready
         logger.info(
             "waiting for DP ranks %s to register at %s", sorted(self._pending), dp.handshake_address
         )
 
+    def address(self, frontend: int, rank: int) -> str:
+        """Where API server `frontend` listens for remote rank `rank`'s core."""
+        port = head_port(self._dp, self._api_servers, frontend, rank)
+        return f"tcp://{self._dp.data_parallel_address}:{port}"
+
     def wait(self, local_dead: Callable[[], list[str]]) -> None:
-        """Until every remote rank is serving; RuntimeError if a headless process reports a
-        failure or a local core dies meanwhile."""
-        logged = time.monotonic()
-        while len(self.addresses) < self._dp.data_parallel_size - self._dp.local_size:
+        """Until every remote rank's core is ready; RuntimeError if a headless process
+        reports a failure or goes away first (seen within PROBE_S, or the heartbeat's
+        HEARTBEAT_TIMEOUT_MS for a host that vanished), or a local core dies meanwhile."""
+        logged = probed = time.monotonic()
+        remote = set(range(self._dp.local_size, self._dp.data_parallel_size))
+        while len(self.pids) < len(remote):
             if self._socket.poll(POLL_MS):
                 identity, payload = self._socket.recv_multipart()
                 self._on_message(identity, _decoder.decode(payload))
             dead = local_dead()
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited while starting")
+            if time.monotonic() - probed > PROBE_S:
+                self._probe()
+                probed = time.monotonic()
             if time.monotonic() - logged > WAITING_LOG_S:
-                waiting = sorted(set(range(self._dp.local_size, self._dp.data_parallel_size)))
-                logger.info(
-                    "still waiting for DP ranks %s", sorted(set(waiting) - set(self.addresses))
-                )
+                logger.info("still waiting for DP ranks %s", sorted(remote - set(self.pids)))
                 logged = time.monotonic()
-        logger.info("remote engine cores ready: %s", self.addresses)
+        logger.info("remote engine cores ready: pids %s", self.pids)
+
+    def _probe(self) -> None:
+        """RuntimeError naming the host of a registered process that went away before its
+        cores were ready (a send to it fails once its connection closed)."""
+        for identity, claim in self._claims.items():
+            if claim.ranks[0] not in self.pids and not self._send(identity, Ping()):
+                raise RuntimeError(
+                    f"the headless process on {claim.hostname} (DP ranks {claim.ranks}) went "
+                    "away before its engine cores were ready"
+                )
 
     def _on_message(self, identity: bytes, message: Any) -> None:
-        dp = self._dp
         if isinstance(message, Register):
-            ranks = list(range(message.start_rank, message.start_rank + message.size_local))
-            error = None
-            if message.size != dp.data_parallel_size:
-                error = (
-                    f"data_parallel_size={message.size} differs from the head's "
-                    f"{dp.data_parallel_size}"
-                )
-            elif not set(ranks) <= self._pending:
-                error = (
-                    f"DP ranks {ranks} are not free: the head waits for ranks "
-                    f"{sorted(self._pending)}"
-                )
-            if error is None:
-                self._pending -= set(ranks)
-                self._claims[identity] = ranks
-                logger.info(
-                    "headless engine cores on %s registered: ranks %s", message.hostname, ranks
-                )
-            self._send(identity, Welcome(error, None if error else self._loads_address))
+            self._register(identity, message)
         elif isinstance(message, Ready) and identity in self._claims:
-            for rank, address, pid in zip(
-                self._claims[identity], message.addresses, message.pids, strict=True
-            ):
-                self.addresses[rank], self.pids[rank] = address, pid
+            for rank, pid in zip(self._claims[identity].ranks, message.pids, strict=True):
+                self.pids[rank] = pid
         elif isinstance(message, Failed):
-            raise RuntimeError(f"headless engine cores failed: {message.reason}")
+            claim = self._claims.get(identity)
+            host = f" on {claim.hostname}" if claim is not None else ""
+            raise RuntimeError(f"headless engine cores{host} failed: {message.reason}")
+
+    def _register(self, identity: bytes, message: Register) -> None:
+        dp = self._dp
+        ranks = list(range(message.start_rank, message.start_rank + message.size_local))
+        error = None
+        if message.size != dp.data_parallel_size:
+            error = (
+                f"data_parallel_size={message.size} differs from the head's {dp.data_parallel_size}"
+            )
+        elif not set(ranks) <= self._pending:
+            error = (
+                f"DP ranks {ranks} are not free: the head waits for ranks {sorted(self._pending)}"
+            )
+        if error is not None:
+            self._send(identity, Welcome(error))
+            return
+        self._pending -= set(ranks)
+        self._claims[identity] = _Claim(ranks, message.hostname)
+        logger.info("headless engine cores on %s registered: ranks %s", message.hostname, ranks)
+        frontends = [[self.address(i, r) for i in range(self._api_servers)] for r in ranks]
+        self._send(identity, Welcome(None, self._loads_address, frontends))
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> bool:
         try:
-            self._socket.send_multipart([identity, m.encode(message)])
+            self._socket.send_multipart([identity, m.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:  # there, but not reading (its queue is full)
+            return True
         except zmq.ZMQError:  # that process is gone
             return False
         return True
@@ -218,8 +284,9 @@ class RemoteCores:
 
 
 def run_headless(engine_args: Any, dp: Any) -> int:
-    """A `--headless` process: registers with the head, runs its cores until told to stop;
-    its exit status (0: stopped by the head or SIGTERM)."""
+    """A `--headless` process: registers with the head, runs its cores (connected out to
+    the head's ports) until told to stop; its exit status (0: stopped by the head or
+    SIGTERM)."""
     from jvllm.engine.core.launcher import EngineCoreProcs
 
     stopping = threading.Event()
@@ -232,22 +299,30 @@ def run_headless(engine_args: Any, dp: Any) -> int:
     procs = None
     try:
         welcome = _register(head, dp)
-        host = _local_ip(dp.data_parallel_address, dp.rpc_port)
         procs = EngineCoreProcs(
-            engine_args, dp.local_size, welcome.loads_address, dp.start_rank, host
+            engine_args,
+            dp.local_size,
+            welcome.loads_address,
+            dp.start_rank,
+            frontend_addresses=welcome.frontends,
         )
-        for address, pid in zip(procs.addresses, procs.pids, strict=True):
-            failure = _wait_serving(context, address, pid, watch, stopping)
-            if failure is not None:
-                head.send(m.encode(Failed(failure)))
-                logger.error("%s", failure)
-                return 0 if stopping.is_set() else 1
-        head.send(m.encode(Ready(procs.addresses, procs.pids)))
+        told = threading.Event()  # the head said Stop while the cores started
+        failure = procs.wait_ready(lambda: _startup_failure(head, watch, stopping, told))
+        if failure is not None:
+            if told.is_set():  # the head drains: as if told once serving
+                procs.stop()
+                head.send(m.encode(Stopped()))
+                logger.info("%s", failure)
+                return 0
+            head.send(m.encode(Failed(failure)))
+            logger.error("%s", failure)
+            return 0 if stopping.is_set() else 1
+        head.send(m.encode(Ready(procs.pids)))
         logger.info(
-            "engine cores %s (pids %s) serving the head at %s",
-            procs.addresses,
+            "engine cores of DP ranks %s (pids %s) serving the head at %s",
+            list(procs.ranks),
             procs.pids,
-            dp.handshake_address,
+            dp.data_parallel_address,
         )
         return _serve(head, watch, procs, stopping, dp.handshake_address)
     finally:
@@ -283,30 +358,19 @@ def _register(head: Any, dp: Any) -> Welcome:
     return welcome
 
 
-def _local_ip(head_ip: str, port: int) -> str:
-    """This host's address on the route to the head (what the head connects back to)."""
-    with pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM) as probe:
-        probe.connect((head_ip, port))  # UDP: no packet is sent
-        return probe.getsockname()[0]
-
-
-def _wait_serving(
-    context: Any, address: str, pid: int, watch: ConnectionWatch, stopping: threading.Event
+def _startup_failure(
+    head: Any, watch: ConnectionWatch, stopping: threading.Event, told: threading.Event
 ) -> str | None:
-    """Until the core at `address` answers; else why not."""
-    probe = context.socket(zmq.DEALER)
-    probe.setsockopt(zmq.LINGER, 0)
-    probe.connect(address)
-    probe.send(m.encode(m.Hello()))
-    try:
-        while not probe.poll(POLL_MS):
-            if process_exit_status(pid) is not None:
-                return f"engine core at {address} (pid {pid}) exited while starting"
-            if watch.lost() or stopping.is_set():
-                return "stopped while the engine cores started (the head went away, or a signal)"
-        return None
-    finally:
-        probe.close()
+    """Why the cores' start is cut short (None: it goes on); reads the head's messages
+    meanwhile (its probes, or a Stop: then sets `told`)."""
+    while head.poll(0):
+        if isinstance(_decoder.decode(head.recv()), Stop):
+            told.set()
+    if told.is_set():
+        return "the head said stop while the engine cores started: stopping them"
+    if watch.lost() or stopping.is_set():
+        return "stopped while the engine cores started (the head went away, or a signal)"
+    return None
 
 
 def _serve(
@@ -336,9 +400,13 @@ class AllCores:
 
     def __init__(self, local: Any, remote: RemoteCores) -> None:
         self._local, self._remote = local, remote
-        ranks = sorted(remote.addresses)
-        self.addresses = local.addresses + [remote.addresses[r] for r in ranks]
-        self.pids = local.pids + [remote.pids[r] for r in ranks]
+        self._remote_ranks = sorted(remote.pids)
+        self.pids = local.pids + [remote.pids[r] for r in self._remote_ranks]
+
+    def addresses_for(self, frontend: int) -> list[str]:
+        """The addresses API server `frontend` binds, one per core, in DP-rank order."""
+        remote = [self._remote.address(frontend, rank) for rank in self._remote_ranks]
+        return self._local.addresses_for(frontend) + remote
 
     def dead(self) -> list[str]:
         """This host's cores that exited (a remote core's death is its front ends' to see)."""

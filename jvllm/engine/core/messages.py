@@ -2,7 +2,8 @@
 `EngineCoreOutputs` and utility calls), as msgspec Structs over msgpack: no pickle
 crosses the socket, and each side decodes into declared types only.
 
-Owns the wire shapes and their codecs. A front end sends one message and reads one
+Owns the wire shapes and their codecs. A core first sends each front end its
+`EngineCoreInfo` (once it connected); then a front end sends one message and reads one
 reply (`Hello` -> `EngineCoreInfo`, `AddRequest` -> `AddReply`, `Step` -> `StepReply`,
 `UtilityCall` -> `UtilityReply`, `Abort` -> `UtilityReply` with the metrics after it,
 so that freed blocks show at once); `Shutdown` has no reply. `EngineLoad` and
@@ -80,6 +81,7 @@ class EngineCoreInfo(msgspec.Struct):
     scheduling_policy: str
     cache_config: dict[str, Any]
     metrics: dict[str, Any]
+    hostname: str = ""  # the host it runs on (names a core on another host)
 
 
 class AddReply(msgspec.Struct):
@@ -93,9 +95,9 @@ class EngineLoad(msgspec.Struct, array_like=True):
     """One core's load, as it pushes it to the DP coordinator when it changes."""
 
     engine_index: int
-    waiting: int  # sequences, as the scheduler counts them
-    running: int
-    num_added: int  # the requests it has taken so far (`AddReply.num_added`)
+    waiting: int  # sequences (a request's n choices count n), as the scheduler holds them
+    running: int  # sequences
+    num_added: int  # requests (not sequences) it has taken so far (`AddReply.num_added`)
 
 
 class LoadTable(msgspec.Struct, array_like=True):

@@ -26,7 +26,7 @@ class MultiprocEngine(EngineCoreClient):
         atexit.register(self.shutdown)
         try:
             tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-            super().__init__(self._procs.addresses, self._procs.pids, tokenizer)
+            super().__init__(self._procs.addresses_for(0), self._procs.pids, tokenizer)
         except BaseException:
             self._procs.stop()
             self._procs = None

@@ -1,0 +1,48 @@
+"""`engine/core/hosts.py`'s ConnectionWatch on a bound socket (the head's API server's
+socket for a core on another host): the core's connection closing counts as its death;
+another connection to the port that comes and goes (a port scan) does not."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import zmq
+
+from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+
+
+def lost_within(watch: ConnectionWatch, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while watch.lost() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return watch.lost()
+
+
+def stray_connection(port: int) -> None:
+    """A TCP connection that sends no zmq greeting, closed (a port scan)."""
+    with socket.create_connection(("127.0.0.1", port)) as stray:
+        stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
+
+
+def test_a_stray_connection_is_not_the_cores_death_its_own_closing_is():
+    context = zmq.Context()
+    bound = with_heartbeat(context.socket(zmq.DEALER))
+    watch = ConnectionWatch(bound, bound=True)
+    port = bound.bind_to_random_port("tcp://127.0.0.1")
+    core = context.socket(zmq.DEALER)
+    try:
+        stray_connection(port)
+        core.connect(f"tcp://127.0.0.1:{port}")
+        core.send(b"info")
+        assert bound.poll(10_000)
+        watch.follow(bound.recv(copy=False))
+        stray_connection(port)
+        assert lost_within(watch, 0.5) is None
+        core.close(linger=0)
+        assert lost_within(watch, 10) == "its connection closed"
+    finally:
+        watch.close()
+        core.close(linger=0)
+        bound.close()
+        context.term()
