@@ -193,4 +193,7 @@ class StartUp:
             for size in SWAP_BUCKETS:
                 self.swap_out([(0, 0)] * size)
                 self.swap_in([(0, 0)] * size)
+        # The forwards were only queued (on one CPU device nothing waited on them): ready
+        # means they ran, or the first request would wait for the rest of the warm-up.
+        if all(isinstance(c, jax.Array) for c in jax.tree.leaves(self.caches)):  # not AOT
             jax.block_until_ready(self.caches)
