@@ -79,6 +79,7 @@ class IncrementalDetokenizer:
             seeded = self._stream.step(self._backend, context) if context else None
             table = token_pieces(tokenizer, self._backend)
             self._pieces = table.pieces if table is not None else []
+            self._num_pieces = len(self._pieces)
             # The stream's state is its last emission, whose text is non-empty and
             # ends in a whole character: a standalone token then adds its piece.
             self._clean = seeded is not None and table is not None
@@ -101,8 +102,7 @@ class IncrementalDetokenizer:
             self._unchecked = unchecked - 1
         if self._backend is None:
             return self._append_by_offsets(token_id, unchecked)
-        pieces = self._pieces
-        piece = pieces[token_id] if self._clean and token_id < len(pieces) else ""
+        piece = self._pieces[token_id] if self._clean and token_id < self._num_pieces else ""
         if piece:
             # The stream would emit the piece and hold just this token: it catches up
             # from there when a token needs it (`_stream_step`).
@@ -112,9 +112,9 @@ class IncrementalDetokenizer:
             delta = self._stream_step(token_id)
             if delta is None:
                 return None  # nothing printable yet (or a partial UTF-8 sequence)
-        before = len(self.output_text)
-        self.output_text += delta
-        return self._check_stop(before) if self._stop and not unchecked else None
+        before = self.output_text
+        self.output_text = before + delta
+        return self._check_stop(len(before)) if self._stop and not unchecked else None
 
     def _stream_step(self, token_id: int) -> str | None:
         """`DecodeStream.step` of the token, after the standalone tokens it skipped."""
@@ -127,12 +127,11 @@ class IncrementalDetokenizer:
         delta = self._stream.step(self._backend, token_id)
         emitted_before, self._emitted = self._emitted, delta is not None
         # Clean again once a standalone token is emitted with nothing held before it.
-        pieces = self._pieces
         self._clean = (
             delta is not None
             and emitted_before
-            and token_id < len(pieces)
-            and bool(pieces[token_id])
+            and token_id < self._num_pieces
+            and bool(self._pieces[token_id])
         )
         return delta
 
