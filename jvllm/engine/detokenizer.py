@@ -4,7 +4,9 @@ Owns turning a growing list of output token ids into text deltas without
 re-decoding the whole output each step, holding back incomplete UTF-8 (a
 trailing U+FFFD) until the next token completes it. A few prompt tokens seed the
 window so that tokenizers which mark word starts (SentencePiece's leading space)
-decode the first output token with its space.
+decode the first output token with its space. Tokens whose text is a standalone
+piece (`token_pieces.py`) skip the tokenizers library's `DecodeStream` while its state
+would just advance past them (most tokens of most outputs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
+
+from jvllm.engine.token_pieces import token_pieces
 
 # Prompt tokens kept as decoding context.
 _CONTEXT_TOKENS = 5
@@ -70,9 +74,17 @@ class IncrementalDetokenizer:
             # The tokenizers library's own incremental decoder: one call per token (the
             # same prefix/read-offset rule as below, in Rust); the context's text is
             # not output.
+            self._skip_special = skip_special_tokens
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            if context:
-                self._stream.step(self._backend, context)
+            seeded = self._stream.step(self._backend, context) if context else None
+            table = token_pieces(tokenizer, self._backend)
+            self._pieces = table.pieces if table is not None else []
+            self._num_pieces = len(self._pieces)
+            # The stream's state is its last emission, whose text is non-empty and
+            # ends in a whole character: a standalone token then adds its piece.
+            self._clean = seeded is not None and table is not None
+            self._emitted = seeded is not None or not context  # no tokens held back
+            self._behind: int | None = None  # a standalone token the stream has not seen
             return
         self._decode_ids = decoder(tokenizer)
         self._skip_special = skip_special_tokens
@@ -88,13 +100,43 @@ class IncrementalDetokenizer:
         unchecked = self._unchecked
         if unchecked:
             self._unchecked = unchecked - 1
-        if self._backend is not None:
-            delta = self._stream.step(self._backend, token_id)
+        if self._backend is None:
+            return self._append_by_offsets(token_id, unchecked)
+        piece = self._pieces[token_id] if self._clean and token_id < self._num_pieces else ""
+        if piece:
+            # The stream would emit the piece and hold just this token: it catches up
+            # from there when a token needs it (`_stream_step`).
+            self._behind = token_id
+            delta: str | None = piece
+        else:
+            delta = self._stream_step(token_id)
             if delta is None:
                 return None  # nothing printable yet (or a partial UTF-8 sequence)
-            before = len(self.output_text)
-            self.output_text += delta
-            return self._check_stop(before) if self._stop and not unchecked else None
+        before = self.output_text
+        self.output_text = before + delta
+        return self._check_stop(len(before)) if self._stop and not unchecked else None
+
+    def _stream_step(self, token_id: int) -> str | None:
+        """`DecodeStream.step` of the token, after the standalone tokens it skipped."""
+        if self._behind is not None:
+            # The state the stream would have after those tokens: holding the last of
+            # them, its text emitted.
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+            self._stream.step(self._backend, [self._behind])
+            self._behind = None
+        delta = self._stream.step(self._backend, token_id)
+        emitted_before, self._emitted = self._emitted, delta is not None
+        # Clean again once a standalone token is emitted with nothing held before it.
+        self._clean = (
+            delta is not None
+            and emitted_before
+            and token_id < self._num_pieces
+            and bool(self._pieces[token_id])
+        )
+        return delta
+
+    def _append_by_offsets(self, token_id: int, unchecked: int) -> str | None:
+        """`append` for a tokenizer without a Rust backend that decodes alone."""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])

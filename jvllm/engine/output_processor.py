@@ -173,17 +173,12 @@ class OutputProcessor:
                     continue  # stopped or aborted after this step was dispatched
                 ids = state.request.output_token_ids
                 token, num_out = ids[-1], len(ids)
-                if token in state.silent_token_ids and num_out >= state.min_tokens:
-                    state.matched_stop = matched = None  # it ends the output, textless
-                else:
-                    state.matched_stop = matched = state.detok.append(token)
                 num_inline += 1
-                if (
-                    token in state.ending_token_ids
-                    or num_out >= state.max_output_tokens
-                    or matched is not None
-                ):
-                    self._check_stop(state, num_out)  # most tokens never get here
+                if token in state.ending_token_ids or num_out >= state.max_output_tokens:
+                    self._add_last_token(state, token, num_out)  # most tokens never do
+                elif (matched := state.detok.append(token)) is not None:
+                    state.matched_stop = matched
+                    self._check_stop(state, num_out)
             elif isinstance(state, Beam):
                 # Preempted since dispatch: not awaiting selection, it proposes again.
                 if not state.finished and row.samples and state.request.awaiting_selection:
@@ -255,6 +250,15 @@ class OutputProcessor:
                 if state.finished:
                     del outputs[base + j + 1 :]
                     return
+
+    def _add_last_token(self, state: SequenceState, token: int, num_out: int) -> None:
+        """A plain row's token that may end its sequence (a stop or EOS token, or the
+        last the length allows): `SequenceState.add_token`'s text, then the stop check."""
+        if token in state.silent_token_ids and num_out >= state.min_tokens:
+            state.matched_stop = None  # it ends the output, textless
+        else:
+            state.matched_stop = state.detok.append(token)
+        self._check_stop(state, num_out)
 
     def _candidates(self, result: StepResult, row: int, group: BeamGroup) -> Candidates:
         k = group.num_candidates

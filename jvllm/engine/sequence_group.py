@@ -250,6 +250,10 @@ class SequenceState:
         self.sent_chars, self.sent_tokens = visible, len(tokens)
         return out
 
+    @property
+    def num_outputs(self) -> int:
+        return len(self.request.output_token_ids)
+
     def _cumulative_logprob(self) -> float | None:
         finite = self.logprobs is not None and math.isfinite(self.cumulative_logprob)
         return self.cumulative_logprob if finite else None
@@ -300,43 +304,31 @@ class SequenceGroup:
         new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
         `final_only` (the offline API) the whole result, once finished."""
         kind, children = self.params.output_kind, self.children
+        first = children[0]
+        prompt_logprobs = first.prompt_logprobs
         if kind == _CUMULATIVE and len(children) == 1 and not final_only:
             # The common case, asked of every running request every step.
-            child = children[0]
-            return RequestOutput(  # positional: keywords cost a dict per request and step
-                self.request_id,
-                self.prompt,
-                self.prompt_token_ids,
-                child.prompt_logprobs,
-                [child.completion()],
-                child.finished,
-                child.request.num_cached_tokens or 0,
-                None,  # metrics
-                child.request.lora_request,
-            )
-        finished = self.finished
-        if (final_only or kind == _FINAL_ONLY) and not finished:
-            return None
-        first = self.children[0]
-        prompt_logprobs = first.prompt_logprobs
-        if kind == _DELTA and not final_only:
-            if not finished:
-                for c in self.children:  # a loop, not all(): no generator per step
-                    if c.sent_tokens != len(c.request.output_token_ids):
-                        break
-                else:
+            finished, completions = first.finished, [first.completion()]
+        elif kind == _DELTA and not final_only:
+            if len(children) == 1:  # one sequence: no generator, no list of them
+                finished = first.finished
+                if not finished and first.sent_tokens == len(first.request.output_token_ids):
                     return None  # nothing new
-            completions = list(map(SequenceState.delta, self.children))
+                completions = [first.delta()]
+            else:
+                finished = self.finished
+                if not finished and all(c.sent_tokens == c.num_outputs for c in children):
+                    return None  # nothing new
+                completions = [c.delta() for c in children]
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
         else:
-            children = self.children
-            if len(children) == 1:
-                completions = [children[0].completion()]
-            else:
-                completions = list(map(SequenceState.completion, children))
-        return RequestOutput(
+            finished = self.finished
+            if (final_only or kind == _FINAL_ONLY) and not finished:
+                return None
+            completions = [c.completion() for c in children]
+        return RequestOutput(  # positional: keywords cost a dict per request and step
             self.request_id,
             self.prompt,
             self.prompt_token_ids,

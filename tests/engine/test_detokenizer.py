@@ -53,3 +53,51 @@ def test_incremental_text_equals_transformers_decode(source, clean_up, tokenizer
             tail = ctx[-5:]
             whole = tok.decode(tail + out, skip_special_tokens=True)
             assert detok.output_text == whole[len(tok.decode(tail, skip_special_tokens=True)) :]
+
+
+def _stream_text(backend, context: list[int], tokens: list[int], skip: bool) -> str:
+    """The text the tokenizers library's DecodeStream gives for `tokens` after `context`."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=skip)
+    if context:
+        stream.step(backend, context)
+    return "".join(d for t in tokens if (d := stream.step(backend, t)) is not None)
+
+
+@pytest.mark.parametrize("source", ["demo", "test", "word"])
+def test_standalone_pieces_leave_the_text_as_decode_stream_gives_it(
+    source, tokenizer_dir, tmp_path
+):
+    """Random token sequences (byte tokens that split UTF-8 characters, special tokens,
+    ids past the vocabulary, empty contexts among them) give, token for token, the text
+    of a DecodeStream fed every token: skipping it for standalone tokens changes none."""
+    from transformers import AutoTokenizer
+
+    from jvllm.engine.detokenizer import IncrementalDetokenizer
+    from jvllm.testing.checkpoints import write_word_tokenizer
+
+    if source == "word":
+        write_word_tokenizer(tmp_path, 64)
+        path = tmp_path
+    else:
+        path = DEMO_MODEL_DIR if source == "demo" else tokenizer_dir
+    tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    backend = tok.backend_tokenizer
+    vocab = len(tok)
+    rng = np.random.default_rng(1)
+    specials = sorted(backend.get_added_tokens_decoder())
+    for trial in range(150):
+        # Mostly ids from a small window (repeats: pieces learnt, then reused), some
+        # specials and ids past the vocabulary.
+        low = int(rng.integers(0, max(1, vocab - 40)))
+        pool = [*range(low, min(vocab, low + 40)), *specials, vocab + 3]
+        ids = [int(pool[i]) for i in rng.integers(0, len(pool), 40)]
+        context, tokens = ids[: trial % 6], ids[6:]
+        for skip in (False, True):
+            detok = IncrementalDetokenizer(tok, context, skip, [], False)
+            expected = ""
+            for j, token in enumerate(tokens):
+                detok.append(token)
+                expected = _stream_text(backend, context, tokens[: j + 1], skip)
+                assert detok.output_text == expected, (context, tokens[: j + 1], skip)
