@@ -31,6 +31,14 @@ def _stream_backend(tokenizer: Any) -> Any:
     return None
 
 
+def build_token_pieces(tokenizer: Any) -> None:
+    """Builds the tokenizer's standalone-piece table now (at start-up) rather than when
+    its first request arrives, which would stall every running sequence that step."""
+    backend = _stream_backend(tokenizer)
+    if backend is not None:
+        token_pieces(tokenizer, backend)
+
+
 def decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
     """`(ids, skip_special_tokens) -> text`, as `tokenizer.decode` gives it. For a fast
     tokenizer that cleans up no spaces, Transformers' decode is its Rust backend's plus
@@ -102,7 +110,7 @@ class IncrementalDetokenizer:
             self._unchecked = unchecked - 1
         if self._backend is None:
             return self._append_by_offsets(token_id, unchecked)
-        piece = self._pieces[token_id] if self._clean and token_id < self._num_pieces else ""
+        piece = self._pieces[token_id] if self._clean and 0 <= token_id < self._num_pieces else ""
         if piece:
             # The stream would emit the piece and hold just this token: it catches up
             # from there when a token needs it (`_stream_step`).
@@ -130,7 +138,7 @@ class IncrementalDetokenizer:
         self._clean = (
             delta is not None
             and emitted_before
-            and token_id < self._num_pieces
+            and 0 <= token_id < self._num_pieces
             and bool(self._pieces[token_id])
         )
         return delta

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jvllm.engine.beam_search import Beam, BeamGroup, Candidates
+from jvllm.engine.detokenizer import build_token_pieces
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import StepSequence
@@ -55,6 +56,8 @@ class OutputProcessor:
         drafts_every_row: bool,
     ) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            build_token_pieces(tokenizer)
         # False in an engine core whose front end detokenizes (`engine/core/core.py`):
         # its sequences then carry token ids only (no text, no stop strings).
         self.detokenize = True

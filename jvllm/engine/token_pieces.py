@@ -35,7 +35,10 @@ class TokenPieces:
 
     def __init__(self, backend: Any, joins_with_space: bool) -> None:
         size = backend.get_vocab_size(with_added_tokens=True)
-        # Once per tokenizer, all ids at once (~10 ms for 32k ids): a step then never
+        # Tokens added or marked special later change what is standalone (`current`).
+        self.num_added = len(backend.get_added_tokens_decoder())
+        # Once per tokenizer, all ids at once (~25 ms for 32k ids, ~0.15 s for 150k; at
+        # start-up, `detokenizer.build_token_pieces`): a step then never
         # meets an unknown one.
         texts = backend.decode_batch([[t] for t in range(size)], skip_special_tokens=False)
         separator = " " if joins_with_space else ""
@@ -51,11 +54,14 @@ def token_pieces(tokenizer: Any, backend: Any) -> TokenPieces | None:
     """The table of a fast tokenizer whose Rust `backend` decodes for it, shared by all
     its sequences; None where its decoder does not concatenate pieces."""
     try:
-        return _TABLES[tokenizer]
+        table = _TABLES[tokenizer]
     except KeyError:
         pass
     except TypeError:  # not weakly referable: no table (every token decodes in Rust)
         return None
+    else:
+        if table is None or table.num_added == len(backend.get_added_tokens_decoder()):
+            return table
     table = _TABLES[tokenizer] = _table(backend)
     return table
 

@@ -8,6 +8,7 @@ import pytest
 
 from jvllm.demo import DEMO_MODEL_DIR
 from jvllm.engine.detokenizer import decoder
+from jvllm.engine.token_pieces import token_pieces
 
 
 @pytest.mark.parametrize("source", ["demo", "test"])
@@ -101,3 +102,25 @@ def test_standalone_pieces_leave_the_text_as_decode_stream_gives_it(
                 detok.append(token)
                 expected = _stream_text(backend, context, tokens[: j + 1], skip)
                 assert detok.output_text == expected, (context, tokens[: j + 1], skip)
+    # The short path was taken: most ids have a standalone piece.
+    table = token_pieces(tok, backend)
+    assert table is not None and sum(map(bool, table.pieces)) > len(table.pieces) // 2
+
+
+def test_a_token_marked_special_later_leaves_the_table(tokenizer_dir):
+    """Marking a vocabulary token special after its table was built rebuilds the table:
+    the token's text is skipped with skip_special_tokens, as Transformers' decode does."""
+    from transformers import AutoTokenizer
+
+    from jvllm.engine.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR, clean_up_tokenization_spaces=False)
+    ids = tok("hello world hello world", add_special_tokens=False)["input_ids"]
+    assert token_pieces(tok, tok.backend_tokenizer).pieces[ids[1]]
+    word = tok.convert_ids_to_tokens(ids[1])
+    tok.add_special_tokens({"additional_special_tokens": [word]})
+    assert not token_pieces(tok, tok.backend_tokenizer).pieces[ids[1]]
+    detok = IncrementalDetokenizer(tok, [], True, [], False)
+    for token in ids:
+        detok.append(token)
+    assert detok.output_text == tok.decode(ids, skip_special_tokens=True)

@@ -21,7 +21,12 @@ import math
 from typing import Any, NamedTuple
 
 from jvllm.engine.core.messages import WireOutput
-from jvllm.engine.detokenizer import IncrementalDetokenizer, decoder, stop_token_text_skipped
+from jvllm.engine.detokenizer import (
+    IncrementalDetokenizer,
+    build_token_pieces,
+    decoder,
+    stop_token_text_skipped,
+)
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -211,6 +216,7 @@ class FrontendOutputProcessor:
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        build_token_pieces(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState | _Beams] = {}
