@@ -35,7 +35,8 @@ class TokenPieces:
 
     def __init__(self, backend: Any, joins_with_space: bool) -> None:
         size = backend.get_vocab_size(with_added_tokens=True)
-        # Tokens added or marked special later change what is standalone (`current`).
+        # Tokens added or marked special later change what is standalone (`token_pieces`
+        # compares this count and rebuilds).
         self.num_added = len(backend.get_added_tokens_decoder())
         # Once per tokenizer, all ids at once (~25 ms for 32k ids, ~0.15 s for 150k; at
         # start-up, `detokenizer.build_token_pieces`): a step then never
