@@ -19,6 +19,7 @@ the core processes (`launcher.py`), the engine itself (`core.py`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +31,14 @@ import msgspec
 from jvllm.engine.async_llm import EngineDeadError
 from jvllm.engine.core import messages as m
 from jvllm.engine.core.detokenizing import FrontendOutputProcessor
+from jvllm.engine.core.remote_control import RemoteControl
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.validation import InvalidRequestError, check_priority, validate_request
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
+logger = logging.getLogger("jvllm.engine_core")
 # Milliseconds between liveness checks of a core while waiting for its reply.
 POLL_MS = 100
 # vLLM's coordinator scores an engine's load as waiting * 4 + running.
@@ -300,19 +303,25 @@ class EngineCoreClient:
         it came on."""
         from jvllm.engine.core.hosts import handshake_timeout
 
-        timeout = handshake_timeout()
-        deadline = time.monotonic() + timeout
-        while core.watch is not None and not core.socket.poll(POLL_MS):
-            if time.monotonic() > deadline:
-                raise EngineCoreDeadError(
-                    f"{core.name} did not connect to {core.address} within {timeout:g} s "
-                    "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
-                )
         if core.watch is None:
             return self._receive(core, m.EngineCoreInfo)
-        frame = core.socket.recv(copy=False)
-        core.watch.follow(frame)  # the core's connection, from now on
-        return msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
+        timeout = handshake_timeout()
+        deadline = time.monotonic() + timeout
+        while True:
+            while not core.socket.poll(POLL_MS):
+                if time.monotonic() > deadline:
+                    raise EngineCoreDeadError(
+                        f"{core.name} did not connect to {core.address} within {timeout:g} s "
+                        "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
+                    )
+            frame = core.socket.recv(copy=False)
+            try:
+                info = msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
+            except msgspec.DecodeError as e:  # another program on the port: not followed
+                logger.warning("ignoring a message on %s that is not a core's: %s", core.address, e)
+                continue
+            core.watch.follow(frame)  # the core's connection, from now on
+            return info
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
         with self._lock:
@@ -327,45 +336,6 @@ class EngineCoreClient:
                     f"{core.name} died ({exit_status}); the server cannot serve requests"
                 )
         return msgspec.msgpack.decode(core.socket.recv(), type=reply)
-
-
-class RemoteControl:
-    """`weight_sync.EngineControl`'s calls, run on every engine core (dev routes)."""
-
-    def __init__(self, client: EngineCoreClient) -> None:
-        self._client = client
-        self.memory = self  # `control.memory.update_weights(path)`
-
-    def sleep(self, level: int = 1) -> None:
-        self._client.call_utility("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._client.call_utility("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return all(self._client.call_utility("is_sleeping"))
-
-    def reset_prefix_cache(self) -> bool:
-        return self._client.reset_prefix_cache()
-
-    def collective_rpc(self, method: str, timeout: Any, args: Any, kwargs: Any) -> list[Any]:
-        results = self._client.call_utility("collective_rpc", method, timeout, args, kwargs)
-        return [r for per_core in results for r in per_core]
-
-    def start_weight_update(self) -> None:
-        self._client.call_utility("start_weight_update")
-
-    def update_weights(self, model_path: str) -> int:
-        return self._client.call_utility("update_weights", model_path)[0]
-
-    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
-        self._client.call_utility("finish_weight_update", weight_version)
-
-    def get_weight_version(self) -> str | int | None:
-        return self._client.call_utility("get_weight_version")[0]
-
-    def weight_info(self) -> dict[str, Any]:
-        return self._client.call_utility("weight_info")[0]
 
 
 def process_exit_status(pid: int) -> str | None:

@@ -88,6 +88,24 @@ Handshake = Register | Welcome | Ready | Ping | Failed | Stop | Stopped
 _decoder = msgspec.msgpack.Decoder(Handshake)
 
 
+def decode_from(payload: bytes, sender: str) -> Any:
+    """The handshake message in `payload`, or None (logged, naming `sender`) if it is not
+    one: another program on the port must not stop the head."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as e:  # ValidationError too
+        logger.warning("ignoring an undecodable message on the DP handshake from %s: %s", sender, e)
+        return None
+
+
+def _peer(frame: Any) -> str:
+    """The address a received frame came from, as far as zmq tells."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, ValueError, TypeError):
+        return "an unknown peer"
+
+
 def handshake_timeout() -> float:
     """Seconds a headless process waits for the head's answer (JVLLM_DP_HANDSHAKE_TIMEOUT_S,
     default 30)."""
@@ -201,8 +219,9 @@ class RemoteCores:
         remote = set(range(self._dp.local_size, self._dp.data_parallel_size))
         while len(self.pids) < len(remote):
             if self._socket.poll(POLL_MS):
-                identity, payload = self._socket.recv_multipart()
-                self._on_message(identity, _decoder.decode(payload))
+                identity, message = self._receive()
+                if message is not None:
+                    self._on_message(identity, message)
             dead = local_dead()
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited while starting")
@@ -239,7 +258,9 @@ class RemoteCores:
         dp = self._dp
         ranks = list(range(message.start_rank, message.start_rank + message.size_local))
         error = None
-        if message.size != dp.data_parallel_size:
+        if message.size_local < 1:
+            error = f"size_local={message.size_local}: a headless process runs at least 1 rank"
+        elif message.size != dp.data_parallel_size:
             error = (
                 f"data_parallel_size={message.size} differs from the head's {dp.data_parallel_size}"
             )
@@ -256,6 +277,18 @@ class RemoteCores:
         frontends = [[self.address(i, r) for i in range(self._api_servers)] for r in ranks]
         self._send(identity, Welcome(None, self._loads_address, frontends))
 
+    def _receive(self) -> tuple[bytes, Any]:
+        """A waiting message and its sender's identity; the message None if it is not a
+        handshake message (one frame) of ours."""
+        identity, *frames = self._socket.recv_multipart(copy=False)
+        sender = _peer(identity)
+        if len(frames) != 1:
+            logger.warning(
+                "ignoring a %d-frame message on the DP handshake from %s", len(frames), sender
+            )
+            return identity.bytes, None
+        return identity.bytes, decode_from(frames[0].bytes, sender)
+
     def _send(self, identity: bytes, message: msgspec.Struct) -> bool:
         try:
             self._socket.send_multipart([identity, m.encode(message)], flags=zmq.NOBLOCK)
@@ -271,8 +304,8 @@ class RemoteCores:
         deadline = time.monotonic() + STOP_WAIT_S
         while waiting and time.monotonic() < deadline:
             if self._socket.poll(POLL_MS):
-                identity, payload = self._socket.recv_multipart()
-                if isinstance(_decoder.decode(payload), Stopped):
+                identity, message = self._receive()
+                if isinstance(message, Stopped):
                     waiting.discard(identity)
         if waiting:
             logger.warning("%d headless process(es) did not confirm their stop", len(waiting))
@@ -350,7 +383,7 @@ def _register(head: Any, dp: Any) -> Welcome:
             "--data-parallel-address and --data-parallel-rpc-port) and check the address; a "
             "head serving already (every rank registered) takes no more"
         )
-    welcome = _decoder.decode(head.recv())
+    welcome = decode_from(head.recv(), dp.handshake_address)
     if not isinstance(welcome, Welcome):
         raise RuntimeError(f"the head answered {welcome!r} to a registration")
     if welcome.error is not None:
@@ -364,7 +397,7 @@ def _startup_failure(
     """Why the cores' start is cut short (None: it goes on); reads the head's messages
     meanwhile (its probes, or a Stop: then sets `told`)."""
     while head.poll(0):
-        if isinstance(_decoder.decode(head.recv()), Stop):
+        if isinstance(decode_from(head.recv(), "the head"), Stop):
             told.set()
     if told.is_set():
         return "the head said stop while the engine cores started: stopping them"
@@ -377,7 +410,7 @@ def _serve(
     head: Any, watch: ConnectionWatch, procs: Any, stopping: threading.Event, address: str
 ) -> int:
     while not stopping.is_set():
-        if head.poll(POLL_MS * 5) and isinstance(_decoder.decode(head.recv()), Stop):
+        if head.poll(POLL_MS * 5) and isinstance(decode_from(head.recv(), address), Stop):
             logger.info("the head said stop: stopping the engine cores")
             procs.stop()
             head.send(m.encode(Stopped()))
