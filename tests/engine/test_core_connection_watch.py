@@ -4,9 +4,11 @@ another connection to the port that comes and goes (a port scan) does not."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
+import pytest
 import zmq
 
 from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
@@ -45,4 +47,27 @@ def test_a_stray_connection_is_not_the_cores_death_its_own_closing_is():
         watch.close()
         core.close(linger=0)
         bound.close()
+        context.term()
+
+
+def test_a_client_whose_core_never_connects_closes_its_ports(monkeypatch):
+    """EngineCoreClient's start failing (here: the core's info never comes) closes the
+    sockets it bound: the port is free again."""
+    from jvllm.engine.core.client import EngineCoreClient, EngineCoreDeadError
+
+    monkeypatch.setenv("JVLLM_DP_HANDSHAKE_TIMEOUT_S", "0.2")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    # The traceback kept (as a server's error handling would) holds the half-made client.
+    with pytest.raises(EngineCoreDeadError, match="did not connect") as failure:
+        EngineCoreClient([address], [os.getpid()], tokenizer=None)
+    assert failure.traceback
+    context = zmq.Context()
+    again = context.socket(zmq.DEALER)
+    try:
+        again.bind(address)  # EADDRINUSE while the failed client's socket stayed open
+    finally:
+        again.close(linger=0)
         context.term()

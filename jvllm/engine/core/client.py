@@ -113,13 +113,20 @@ class EngineCoreClient:
         # The sockets' one user at a time: the engine thread, or a LoRA load's worker.
         self._lock = threading.RLock()
         self.cores: list[_Core] = []
-        try:
-            for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
-                self.cores.append(_bind(self._context, index, pid, address))
+        self._loads: Any = None
+        try:  # a failure closes what was opened (ports, watches, the coordinator's view)
+            self._setup(tokenizer, self._connect(addresses, pids, loads_address))
         except BaseException:
             self.close()
             raise
-        self._loads: Any = None
+
+    def _connect(
+        self, addresses: list[str], pids: list[int], loads_address: str | None
+    ) -> m.EngineCoreInfo:
+        """Binds one socket per core, reads each core's info and checks they are alike;
+        the first core's info."""
+        for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
+            self.cores.append(_bind(self._context, index, pid, address))
         if loads_address is not None:
             from jvllm.engine.core.coordinator import LoadView
 
@@ -127,8 +134,11 @@ class EngineCoreClient:
         infos = [self._first_info(core) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
             core.info, core.metrics, core.host = info, info.metrics, info.hostname
-        first = infos[0]
         _check_alike(infos)
+        return infos[0]
+
+    def _setup(self, tokenizer: Any, first: m.EngineCoreInfo) -> None:
+        """What the front end takes from the cores' info (alike on every core)."""
         self.tokenizer = tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
