@@ -381,7 +381,7 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
     socket.setsockopt(zmq.LINGER, 0)
     watch = None
     if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
-        from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+        from jvllm.engine.core.connection import ConnectionWatch, with_heartbeat
 
         watch = ConnectionWatch(with_heartbeat(socket), bound=True)
     try:

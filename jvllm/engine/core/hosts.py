@@ -7,15 +7,17 @@ R`, `run_headless`) runs ranks R .. R+L'-1 and no API server: it registers with 
 (`Register` -> `Welcome`, within `handshake_timeout()` seconds or it exits with an
 error), learns from the `Welcome` the head's ports its cores connect out to (as vLLM:
 the head binds, so only the head's ports need to be reachable; `head_port`), starts its
-cores and tells the head once they built their engines and connected (`Ready`). The
-head probes a registered process until then (`Ping`), so one that dies first is an
+cores and tells the head once they built their engines (`Ready`: each core connects
+out and its `EngineCoreInfo` is queued, to go once the head's front end binds its port;
+a core that dies after `Ready` and before that is seen by the front end, which waits
+`handshake_timeout()` seconds for its info and then fails to start, naming the core).
+The head probes a registered process until its `Ready` (`Ping`), so one that dies first is an
 error naming its host. The headless process stays connected, stops its cores and exits
 0 when the head says `Stop` (the head's drain) or it gets SIGTERM, and exits 1 if the
 head goes away or one of its cores dies. A remote core's death is seen by the front end
-as its connection closing (`ConnectionWatch`; zmq heartbeats every `HEARTBEAT_IVL_MS`
-close a connection silent for `HEARTBEAT_TIMEOUT_MS`, so a host that vanished counts
-too). Not owned: the flags (`server/process_args.py`), local processes (`launcher.py`),
-the messages between front end and core (`messages.py`).
+as its connection closing (`connection.py`: zmq heartbeats close a silent connection,
+so a host that vanished counts too). Not owned: the flags (`server/process_args.py`),
+local processes (`launcher.py`), the messages between front end and core (`messages.py`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from jvllm.engine.core import messages as m
+from jvllm.engine.core.connection import ConnectionWatch, with_heartbeat
 
 logger = logging.getLogger("jvllm.engine_core")
 
-# A DEALER pings its peer this often, and drops a connection silent this long.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
 # Milliseconds between checks while waiting on a socket.
 POLL_MS = 100
 # Seconds the head waits for a headless process to stop its cores.
@@ -121,49 +120,6 @@ def head_port(dp: Any, api_server_count: int, frontend: int | None, rank: int = 
     if frontend is None:
         return dp.rpc_port + 1 + api_server_count * remote
     return dp.rpc_port + 1 + frontend * remote + rank - dp.local_size
-
-
-def with_heartbeat(socket: Any) -> Any:
-    """Pings the peer; a connection silent for HEARTBEAT_TIMEOUT_MS is closed."""
-    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-    return socket
-
-
-class ConnectionWatch:
-    """Whether a socket's peer went away: its connection closed, or went silent and the
-    heartbeat closed it. On a connecting socket, its connection; on a bound one, the
-    connection its peer's first message came on (`follow`), so that another connection
-    to the port (a port scan) that comes and goes does not count. Made before the socket
-    binds or connects; `lost()` may be called from any thread."""
-
-    def __init__(self, socket: Any, bound: bool = False) -> None:
-        self._socket, self._bound = socket, bound
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._lock = threading.Lock()
-        self._fd: int | None = None  # a bound socket's followed connection
-        self._lost: str | None = None
-
-    def follow(self, frame: Any) -> None:
-        """Watches the connection that `frame`, received on the bound socket, came on."""
-        with self._lock:
-            self._fd = frame.get(zmq.SRCFD)
-
-    def lost(self) -> str | None:
-        with self._lock:
-            while self._lost is None and self._monitor is not None and self._monitor.poll(0):
-                fd = int(recv_monitor_message(self._monitor)["value"])  # the closed connection's
-                if not self._bound or fd == self._fd:
-                    self._lost = "its connection closed"
-            return self._lost
-
-    def close(self) -> None:
-        with self._lock:
-            if self._monitor is not None:
-                self._socket.disable_monitor()
-                self._monitor.close()
-                self._monitor = None
 
 
 class _Claim(NamedTuple):
