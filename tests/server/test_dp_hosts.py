@@ -378,3 +378,25 @@ def test_the_head_ignores_foreign_messages_and_refuses_zero_ranks():
         thread.join(5)
         peer.close()
         context.term()
+
+
+def test_the_heads_ports_are_checked_before_any_core_starts():
+    """`check_head_ports` (called by the head before its cores and coordinator start):
+    the ports past 65535, or one in use, are a clear error naming them."""
+    from jvllm.engine.core.hosts import check_head_ports
+
+    def config(port: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            data_parallel_size=3, local_size=1, rpc_port=port, data_parallel_address="127.0.0.1"
+        )
+
+    with pytest.raises(ValueError, match="rpc-port 65531 is too high: .* 65531 .. 65536"):
+        check_head_ports(config(65531), 2, free=True, coordinator=True)
+    port = free_ports(6)
+    check_head_ports(config(port), 2, free=True, coordinator=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 5))  # the coordinator's
+        taken.listen()
+        check_head_ports(config(port), 2, free=True, coordinator=False)
+        with pytest.raises(ValueError, match=rf"ports \[{port + 5}\] on 127.0.0.1 are in use"):
+            check_head_ports(config(port), 2, free=True, coordinator=True)

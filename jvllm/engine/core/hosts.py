@@ -22,6 +22,7 @@ local processes (`launcher.py`), the messages between front end and core (`messa
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -122,6 +123,41 @@ def head_port(dp: Any, api_server_count: int, frontend: int | None, rank: int = 
     return dp.rpc_port + 1 + frontend * remote + rank - dp.local_size
 
 
+def check_head_ports(dp: Any, api_server_count: int, free: bool, coordinator: bool) -> None:
+    """ValueError unless the head's ports P .. P+A*R+1 (`head_port`) are <= 65535 and,
+    with `free`, those it will bind (the coordinator's with `coordinator`) are not in use
+    on --data-parallel-address: checked before any core starts."""
+    last = head_port(dp, api_server_count, None)
+    if last > 65535:
+        raise ValueError(
+            f"--data-parallel-rpc-port {dp.rpc_port} is too high: the head listens on "
+            f"ports {dp.rpc_port} .. {last} (the handshake, one per API server and remote "
+            "rank, the DP coordinator), which must be <= 65535"
+        )
+    bound = range(dp.rpc_port, last + 1 if coordinator else last)
+    taken = [port for port in bound if free and _in_use(dp, port)]
+    if taken:
+        raise ValueError(
+            f"the head's ports {taken} on {dp.data_parallel_address} are in use: it listens "
+            f"on {dp.rpc_port} .. {last} (--data-parallel-rpc-port and the ports after it)"
+        )
+
+
+def _in_use(dp: Any, port: int) -> bool:
+    with pysocket.socket() as probe:
+        probe.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((dp.data_parallel_address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise ValueError(
+                f"cannot listen on --data-parallel-address {dp.data_parallel_address} ({e}): "
+                "it must be this host's IP"
+            ) from None
+    return False
+
+
 class _Claim(NamedTuple):
     """A registered headless process: its DP ranks and host."""
 
@@ -136,13 +172,7 @@ class RemoteCores:
 
     def __init__(self, dp: Any, api_server_count: int, loads_address: str | None) -> None:
         self._dp, self._api_servers, self._loads_address = dp, api_server_count, loads_address
-        last = head_port(dp, api_server_count, None)
-        if last > 65535:
-            raise ValueError(
-                f"--data-parallel-rpc-port {dp.rpc_port} is too high: the head listens on "
-                f"ports {dp.rpc_port} .. {last} (the handshake, one per API server and remote "
-                "rank, the DP coordinator), which must be <= 65535"
-            )
+        check_head_ports(dp, api_server_count, free=False, coordinator=True)
         self._context = zmq.Context()
         self._socket = with_heartbeat(self._context.socket(zmq.ROUTER))
         self._socket.setsockopt(zmq.LINGER, 0)
