@@ -60,8 +60,8 @@ class _Core:
     info: m.EngineCoreInfo | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
-    # Sequences (a request's n choices, or its beams) added since its last step reply,
-    # not yet in its metrics: the core's counts are of sequences too.
+    # Sequences added since its last step reply, not yet in its metrics, as the core's
+    # scheduler counts them (`queued_requests`).
     added: int = 0
     # With a DP coordinator: the core's load as every API server sees it, and this front
     # end's adds that it may not show yet: (the core's count of requests taken with this
@@ -191,7 +191,7 @@ class EngineCoreClient:
         self.output_processor.add_request(request_id, text, ids, params, lora_request)
         self._requests[request_id] = core
         core.requests.add(request_id)
-        sequences = params.beam_width if beam else params.n
+        sequences = queued_requests(params)
         core.added += sequences
         if self._loads is not None:
             core.own_adds.append((reply.num_added, sequences))
@@ -346,6 +346,12 @@ class EngineCoreClient:
                     f"{core.name} died ({exit_status}); the server cannot serve requests"
                 )
         return msgspec.msgpack.decode(core.socket.recv(), type=reply)
+
+
+def queued_requests(params: SamplingParams | BeamSearchParams) -> int:
+    """The requests a core's scheduler queues for a request: its n choices; one for a
+    beam search, whose beams fork at its first selection (`admission.is_unforked_beam`)."""
+    return 1 if isinstance(params, BeamSearchParams) else params.n
 
 
 def process_exit_status(pid: int) -> str | None:
