@@ -88,3 +88,34 @@ def test_a_client_whose_core_never_connects_closes_its_ports(monkeypatch):
     finally:
         again.close(linger=0)
         context.term()
+
+
+def test_a_peer_socket_talks_with_its_core_alone():
+    """Another zmq peer on a core's port (connected first, sending first) is not read once
+    the core's message is accepted, and gets none of the messages meant for the core."""
+    from jvllm.engine.core.connection import PeerSocket
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    bound = PeerSocket(router)
+    stray, core = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    try:
+        stray.connect(f"tcp://127.0.0.1:{port}")
+        stray.send(b"not a core's")
+        assert bound.poll(10_000) and bound.recv() == b"not a core's"  # not accepted
+        core.connect(f"tcp://127.0.0.1:{port}")
+        core.send(b"info")
+        assert bound.poll(10_000) and bound.recv() == b"info"
+        bound.accept()
+        stray.send(b"again")
+        for i in range(4):
+            bound.send(b"step %d" % i)
+            assert core.recv() == b"step %d" % i
+            core.send(b"reply %d" % i)
+            assert bound.poll(10_000) and bound.recv() == b"reply %d" % i
+        assert not stray.poll(100) and not bound.poll(100)
+    finally:
+        for sock in (stray, core, bound):
+            sock.close(linger=0)
+        context.term()

@@ -56,7 +56,9 @@ class EngineCoreDeadError(EngineDeadError):
 class _Core:
     index: int
     pid: int
-    socket: Any  # a zmq DEALER bound here, the core's DEALER connected to it
+    # Bound here, the core's DEALER connected to it: a zmq DEALER, or for a core on
+    # another host a ROUTER that talks with the core alone (`connection.PeerSocket`).
+    socket: Any
     info: m.EngineCoreInfo | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
@@ -331,6 +333,7 @@ class EngineCoreClient:
                 logger.warning("ignoring a message on %s that is not a core's: %s", core.address, e)
                 continue
             core.watch.follow(frame)  # the core's connection, from now on
+            core.socket.accept()  # and its only peer
             return info
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
@@ -383,11 +386,12 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
     front end); a TCP one (a core on another host) with heartbeats and a watch."""
     import zmq
 
-    socket = context.socket(zmq.DEALER)
+    remote = address.startswith("tcp://")  # a core on another host (`hosts.py`)
+    socket = context.socket(zmq.ROUTER if remote else zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     watch = None
-    if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
-        from jvllm.engine.core.connection import ConnectionWatch, with_heartbeat
+    if remote:
+        from jvllm.engine.core.connection import ConnectionWatch, PeerSocket, with_heartbeat
 
         watch = ConnectionWatch(with_heartbeat(socket), bound=True)
     try:
@@ -400,6 +404,8 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
             f"cannot listen for engine core {index} on {address} ({e}): the head's ports "
             "from --data-parallel-rpc-port up must be free on --data-parallel-address"
         ) from None
+    if remote:  # talks with the core only, not other connections to its port
+        socket = PeerSocket(socket)
     return _Core(index, pid, socket, watch=watch, address=address)
 
 

@@ -6,6 +6,7 @@ sockets themselves and what goes over them (`client.py`, `hosts.py`, `core.py`).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -83,3 +84,45 @@ class ConnectionWatch:
                 self._socket.disable_monitor()
                 self._monitor.close()
                 self._monitor = None
+
+
+class PeerSocket:
+    """A bound ROUTER that talks with one peer: the sender of the message `accept`ed
+    (a core's first); other connections to the port (another deployment's core on the
+    wrong port) are neither read from nor sent to, where a bound DEALER would deal its
+    messages to every peer in turn. Before `accept`, every one-frame message is read.
+    Offers the calls the front end makes of a DEALER: send, poll, recv, close."""
+
+    def __init__(self, socket: Any) -> None:
+        self._socket = socket  # a ROUTER
+        self._peer: bytes | None = None
+        self._last: bytes | None = None  # the sender of the message `recv` returned last
+        self._pending: list[tuple[bytes, Any]] = []  # read by `poll`, not yet by `recv`
+
+    def accept(self) -> None:
+        """Talks with the sender of the message `recv` returned last, from now on."""
+        self._peer = self._last
+
+    def send(self, data: bytes) -> None:
+        if self._peer is not None:  # a peer gone: dropped (its watch tells)
+            self._socket.send_multipart([self._peer, data])
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Whether a message of the peer's waits, within `timeout_ms` (< 0: no limit)."""
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        while not self._pending:
+            left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._socket.poll(left):
+                return False
+            identity, *frames = self._socket.recv_multipart(copy=False)
+            if len(frames) == 1 and self._peer in (None, identity.bytes):
+                self._pending.append((identity.bytes, frames[0]))
+        return True
+
+    def recv(self, copy: bool = True) -> Any:
+        self.poll(-1)
+        self._last, frame = self._pending.pop(0)
+        return frame.bytes if copy else frame
+
+    def close(self, linger: int | None = None) -> None:
+        self._socket.close(linger)
