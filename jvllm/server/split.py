@@ -75,7 +75,7 @@ def run_split_server(
 ) -> int:
     """Starts the cores, serves (here, or in N front-end processes), stops the cores."""
     from jvllm.engine.core.coordinator import DPCoordinator
-    from jvllm.engine.core.hosts import head_port, run_headless
+    from jvllm.engine.core.hosts import check_head_ports, head_port, run_headless
 
     processes = processes or ProcessConfig()
     dp = processes.data_parallel
@@ -88,6 +88,7 @@ def run_split_server(
     shared = processes.api_server_count > 1 and num_cores > 1
     remote_loads = None
     if dp.multi_host:  # the remote cores push their loads to the head's last port
+        check_head_ports(dp, processes.api_server_count, True, shared)  # before any core
         port = head_port(dp, processes.api_server_count, None)
         remote_loads = f"tcp://{dp.data_parallel_address}:{port}"
     coordinator = DPCoordinator(num_cores, remote_loads) if shared else None

@@ -17,3 +17,26 @@ def test_unseen_adds_weigh_their_sequences_as_the_table_will():
     before = core.load()
     core.shared = m.EngineLoad(0, waiting=1 + 4, running=2, num_added=3)
     assert before == core.load() == (1 + 4) * 4 + 2
+
+
+def test_a_beam_search_weighs_what_the_cores_scheduler_queues_for_it():
+    """A beam search of width 4 waits in the core's scheduler as one request until its
+    first selection forks it: an add weighs that, not its width."""
+    from jvllm.config import CacheConfig, SchedulerConfig
+    from jvllm.engine.beam_search import BeamGroup
+    from jvllm.engine.core.client import queued_requests
+    from jvllm.engine.scheduling.scheduler import Scheduler
+    from jvllm.sampling_params import BeamSearchParams, SamplingParams
+
+    scheduler = Scheduler(SchedulerConfig(8, 64, 64, "continuous"), CacheConfig(block_size=16), 64)
+    params = BeamSearchParams(beam_width=4, max_tokens=3)
+    group = BeamGroup("b", None, [1, 2, 3], params, frozenset({0}), 64, 0.0)
+    for beam in group.beams:
+        scheduler.add_request(beam.request)
+    assert queued_requests(params) == len(scheduler.waiting) == 1
+    assert queued_requests(SamplingParams(n=3)) == 3
+    core = _Core(0, 1, None, metrics={"num_requests_waiting": 2, "num_requests_running": 1})
+    core.added = queued_requests(params)
+    before = core.load()
+    core.metrics, core.added = {"num_requests_waiting": 3, "num_requests_running": 1}, 0
+    assert before == core.load() == 3 * 4 + 1

@@ -331,3 +331,72 @@ def test_headless_process_dying_before_its_cores_are_ready_fails_the_head(checkp
     finally:
         head.stop()
         headless.stop()
+
+
+def test_the_head_ignores_foreign_messages_and_refuses_zero_ranks():
+    """Another program on the handshake port (bytes that are no handshake message, a
+    message of several frames) is logged and ignored; a registration of no ranks gets a
+    clear refusal; a proper one is served."""
+    import zmq
+
+    from jvllm.engine.core import hosts
+    from jvllm.engine.core import messages as m
+
+    port = free_ports(3)
+    dp = SimpleNamespace(
+        data_parallel_size=2, local_size=1, rpc_port=port, data_parallel_address="127.0.0.1",
+        handshake_address=f"tcp://127.0.0.1:{port}",
+    )  # fmt: skip
+    head = hosts.RemoteCores(dp, 1, None)
+    answers: list = []
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+
+    def headless() -> None:
+        peer.connect(dp.handshake_address)
+        peer.send(b"\x93not a handshake")
+        peer.send_multipart([b"two", b"frames"])
+        peer.send(m.encode(hosts.Register(1, 0, 2, "nohost")))
+        answers.append(hosts.decode_from(peer.recv(), "head"))
+        peer.send(m.encode(hosts.Register(1, 1, 2, "somehost")))
+        answers.append(hosts.decode_from(peer.recv(), "head"))
+        peer.send(m.encode(hosts.Ready([4321])))
+        if isinstance(hosts.decode_from(peer.recv(), "head"), hosts.Stop):
+            peer.send(m.encode(hosts.Stopped()))
+
+    thread = threading.Thread(target=headless, daemon=True)
+    thread.start()
+    try:
+        head.wait(lambda: [])
+        assert head.pids == {1: 4321}
+        assert "size_local=0" in answers[0].error
+        assert answers[1].error is None
+        assert answers[1].frontends == [[f"tcp://127.0.0.1:{port + 1}"]]
+    finally:
+        head.stop()
+        thread.join(5)
+        peer.close()
+        context.term()
+
+
+def test_the_heads_ports_are_checked_before_any_core_starts():
+    """`check_head_ports` (called by the head before its cores and coordinator start):
+    the ports past 65535, or one in use, are a clear error naming them."""
+    from jvllm.engine.core.hosts import check_head_ports
+
+    def config(port: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            data_parallel_size=3, local_size=1, rpc_port=port, data_parallel_address="127.0.0.1"
+        )
+
+    with pytest.raises(ValueError, match="rpc-port 65531 is too high: .* 65531 .. 65536"):
+        check_head_ports(config(65531), 2, free=True, coordinator=True)
+    port = free_ports(6)
+    check_head_ports(config(port), 2, free=True, coordinator=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 5))  # the coordinator's
+        taken.listen()
+        check_head_ports(config(port), 2, free=True, coordinator=False)
+        with pytest.raises(ValueError, match=rf"ports \[{port + 5}\] on 127.0.0.1 are in use"):
+            check_head_ports(config(port), 2, free=True, coordinator=True)

@@ -19,6 +19,7 @@ the core processes (`launcher.py`), the engine itself (`core.py`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +31,14 @@ import msgspec
 from jvllm.engine.async_llm import EngineDeadError
 from jvllm.engine.core import messages as m
 from jvllm.engine.core.detokenizing import FrontendOutputProcessor
+from jvllm.engine.core.remote_control import RemoteControl
 from jvllm.engine.structured_output import GrammarCompiler
 from jvllm.engine.validation import InvalidRequestError, check_priority, validate_request
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 
+logger = logging.getLogger("jvllm.engine_core")
 # Milliseconds between liveness checks of a core while waiting for its reply.
 POLL_MS = 100
 # vLLM's coordinator scores an engine's load as waiting * 4 + running.
@@ -53,12 +56,14 @@ class EngineCoreDeadError(EngineDeadError):
 class _Core:
     index: int
     pid: int
-    socket: Any  # a zmq DEALER bound here, the core's DEALER connected to it
+    # Bound here, the core's DEALER connected to it: a zmq DEALER, or for a core on
+    # another host a ROUTER that talks with the core alone (`connection.PeerSocket`).
+    socket: Any
     info: m.EngineCoreInfo | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)  # this front end's, in flight there
-    # Sequences (a request's n choices, or its beams) added since its last step reply,
-    # not yet in its metrics: the core's counts are of sequences too.
+    # Sequences added since its last step reply, not yet in its metrics, as the core's
+    # scheduler counts them (`queued_requests`).
     added: int = 0
     # With a DP coordinator: the core's load as every API server sees it, and this front
     # end's adds that it may not show yet: (the core's count of requests taken with this
@@ -110,13 +115,20 @@ class EngineCoreClient:
         # The sockets' one user at a time: the engine thread, or a LoRA load's worker.
         self._lock = threading.RLock()
         self.cores: list[_Core] = []
-        try:
-            for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
-                self.cores.append(_bind(self._context, index, pid, address))
+        self._loads: Any = None
+        try:  # a failure closes what was opened (ports, watches, the coordinator's view)
+            self._setup(tokenizer, self._connect(addresses, pids, loads_address))
         except BaseException:
             self.close()
             raise
-        self._loads: Any = None
+
+    def _connect(
+        self, addresses: list[str], pids: list[int], loads_address: str | None
+    ) -> m.EngineCoreInfo:
+        """Binds one socket per core, reads each core's info and checks they are alike;
+        the first core's info."""
+        for index, (address, pid) in enumerate(zip(addresses, pids, strict=True)):
+            self.cores.append(_bind(self._context, index, pid, address))
         if loads_address is not None:
             from jvllm.engine.core.coordinator import LoadView
 
@@ -124,8 +136,11 @@ class EngineCoreClient:
         infos = [self._first_info(core) for core in self.cores]
         for core, info in zip(self.cores, infos, strict=True):
             core.info, core.metrics, core.host = info, info.metrics, info.hostname
-        first = infos[0]
         _check_alike(infos)
+        return infos[0]
+
+    def _setup(self, tokenizer: Any, first: m.EngineCoreInfo) -> None:
+        """What the front end takes from the cores' info (alike on every core)."""
         self.tokenizer = tokenizer
         self.max_model_len = first.max_model_len
         self.vocab_size = first.vocab_size
@@ -178,7 +193,7 @@ class EngineCoreClient:
         self.output_processor.add_request(request_id, text, ids, params, lora_request)
         self._requests[request_id] = core
         core.requests.add(request_id)
-        sequences = params.beam_width if beam else params.n
+        sequences = queued_requests(params)
         core.added += sequences
         if self._loads is not None:
             core.own_adds.append((reply.num_added, sequences))
@@ -300,19 +315,26 @@ class EngineCoreClient:
         it came on."""
         from jvllm.engine.core.hosts import handshake_timeout
 
-        timeout = handshake_timeout()
-        deadline = time.monotonic() + timeout
-        while core.watch is not None and not core.socket.poll(POLL_MS):
-            if time.monotonic() > deadline:
-                raise EngineCoreDeadError(
-                    f"{core.name} did not connect to {core.address} within {timeout:g} s "
-                    "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
-                )
         if core.watch is None:
             return self._receive(core, m.EngineCoreInfo)
-        frame = core.socket.recv(copy=False)
-        core.watch.follow(frame)  # the core's connection, from now on
-        return msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
+        timeout = handshake_timeout()
+        deadline = time.monotonic() + timeout
+        while True:
+            while not core.socket.poll(POLL_MS):
+                if time.monotonic() > deadline:
+                    raise EngineCoreDeadError(
+                        f"{core.name} did not connect to {core.address} within {timeout:g} s "
+                        "(JVLLM_DP_HANDSHAKE_TIMEOUT_S); the server cannot serve requests"
+                    )
+            frame = core.socket.recv(copy=False)
+            try:
+                info = msgspec.msgpack.decode(frame.bytes, type=m.EngineCoreInfo)
+            except msgspec.DecodeError as e:  # another program on the port: not followed
+                logger.warning("ignoring a message on %s that is not a core's: %s", core.address, e)
+                continue
+            core.watch.follow(frame)  # the core's connection, from now on
+            core.socket.accept()  # and its only peer
+            return info
 
     def _call(self, core: _Core, message: msgspec.Struct, reply: type) -> Any:
         with self._lock:
@@ -329,43 +351,10 @@ class EngineCoreClient:
         return msgspec.msgpack.decode(core.socket.recv(), type=reply)
 
 
-class RemoteControl:
-    """`weight_sync.EngineControl`'s calls, run on every engine core (dev routes)."""
-
-    def __init__(self, client: EngineCoreClient) -> None:
-        self._client = client
-        self.memory = self  # `control.memory.update_weights(path)`
-
-    def sleep(self, level: int = 1) -> None:
-        self._client.call_utility("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._client.call_utility("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return all(self._client.call_utility("is_sleeping"))
-
-    def reset_prefix_cache(self) -> bool:
-        return self._client.reset_prefix_cache()
-
-    def collective_rpc(self, method: str, timeout: Any, args: Any, kwargs: Any) -> list[Any]:
-        results = self._client.call_utility("collective_rpc", method, timeout, args, kwargs)
-        return [r for per_core in results for r in per_core]
-
-    def start_weight_update(self) -> None:
-        self._client.call_utility("start_weight_update")
-
-    def update_weights(self, model_path: str) -> int:
-        return self._client.call_utility("update_weights", model_path)[0]
-
-    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
-        self._client.call_utility("finish_weight_update", weight_version)
-
-    def get_weight_version(self) -> str | int | None:
-        return self._client.call_utility("get_weight_version")[0]
-
-    def weight_info(self) -> dict[str, Any]:
-        return self._client.call_utility("weight_info")[0]
+def queued_requests(params: SamplingParams | BeamSearchParams) -> int:
+    """The requests a core's scheduler queues for a request: its n choices; one for a
+    beam search, whose beams fork at its first selection (`admission.is_unforked_beam`)."""
+    return 1 if isinstance(params, BeamSearchParams) else params.n
 
 
 def process_exit_status(pid: int) -> str | None:
@@ -397,11 +386,12 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
     front end); a TCP one (a core on another host) with heartbeats and a watch."""
     import zmq
 
-    socket = context.socket(zmq.DEALER)
+    remote = address.startswith("tcp://")  # a core on another host (`hosts.py`)
+    socket = context.socket(zmq.ROUTER if remote else zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     watch = None
-    if address.startswith("tcp://"):  # a core on another host (`hosts.py`)
-        from jvllm.engine.core.hosts import ConnectionWatch, with_heartbeat
+    if remote:
+        from jvllm.engine.core.connection import ConnectionWatch, PeerSocket, with_heartbeat
 
         watch = ConnectionWatch(with_heartbeat(socket), bound=True)
     try:
@@ -414,6 +404,8 @@ def _bind(context: Any, index: int, pid: int, address: str) -> _Core:
             f"cannot listen for engine core {index} on {address} ({e}): the head's ports "
             "from --data-parallel-rpc-port up must be free on --data-parallel-address"
         ) from None
+    if remote:  # talks with the core only, not other connections to its port
+        socket = PeerSocket(socket)
     return _Core(index, pid, socket, watch=watch, address=address)
 
 

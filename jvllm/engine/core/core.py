@@ -275,7 +275,7 @@ def _connect(context: Any, address: str) -> Any:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     if address.startswith("tcp://"):
-        from jvllm.engine.core.hosts import with_heartbeat
+        from jvllm.engine.core.connection import with_heartbeat
 
         with_heartbeat(socket)
     socket.connect(address)

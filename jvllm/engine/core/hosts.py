@@ -7,19 +7,22 @@ R`, `run_headless`) runs ranks R .. R+L'-1 and no API server: it registers with 
 (`Register` -> `Welcome`, within `handshake_timeout()` seconds or it exits with an
 error), learns from the `Welcome` the head's ports its cores connect out to (as vLLM:
 the head binds, so only the head's ports need to be reachable; `head_port`), starts its
-cores and tells the head once they built their engines and connected (`Ready`). The
-head probes a registered process until then (`Ping`), so one that dies first is an
+cores and tells the head once they built their engines (`Ready`: each core connects
+out and its `EngineCoreInfo` is queued, to go once the head's front end binds its port;
+a core that dies after `Ready` and before that is seen by the front end, which waits
+`handshake_timeout()` seconds for its info and then fails to start, naming the core).
+The head probes a registered process until its `Ready` (`Ping`), so one that dies first is an
 error naming its host. The headless process stays connected, stops its cores and exits
 0 when the head says `Stop` (the head's drain) or it gets SIGTERM, and exits 1 if the
 head goes away or one of its cores dies. A remote core's death is seen by the front end
-as its connection closing (`ConnectionWatch`; zmq heartbeats every `HEARTBEAT_IVL_MS`
-close a connection silent for `HEARTBEAT_TIMEOUT_MS`, so a host that vanished counts
-too). Not owned: the flags (`server/process_args.py`), local processes (`launcher.py`),
-the messages between front end and core (`messages.py`).
+as its connection closing (`connection.py`: zmq heartbeats close a silent connection,
+so a host that vanished counts too). Not owned: the flags (`server/process_args.py`),
+local processes (`launcher.py`), the messages between front end and core (`messages.py`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -31,15 +34,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from jvllm.engine.core import messages as m
+from jvllm.engine.core.connection import ConnectionWatch, with_heartbeat
 
 logger = logging.getLogger("jvllm.engine_core")
 
-# A DEALER pings its peer this often, and drops a connection silent this long.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
 # Milliseconds between checks while waiting on a socket.
 POLL_MS = 100
 # Seconds the head waits for a headless process to stop its cores.
@@ -88,6 +88,24 @@ Handshake = Register | Welcome | Ready | Ping | Failed | Stop | Stopped
 _decoder = msgspec.msgpack.Decoder(Handshake)
 
 
+def decode_from(payload: bytes, sender: str) -> Any:
+    """The handshake message in `payload`, or None (logged, naming `sender`) if it is not
+    one: another program on the port must not stop the head."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as e:  # ValidationError too
+        logger.warning("ignoring an undecodable message on the DP handshake from %s: %s", sender, e)
+        return None
+
+
+def _peer(frame: Any) -> str:
+    """The address a received frame came from, as far as zmq tells."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, ValueError, TypeError):
+        return "an unknown peer"
+
+
 def handshake_timeout() -> float:
     """Seconds a headless process waits for the head's answer (JVLLM_DP_HANDSHAKE_TIMEOUT_S,
     default 30)."""
@@ -105,47 +123,39 @@ def head_port(dp: Any, api_server_count: int, frontend: int | None, rank: int = 
     return dp.rpc_port + 1 + frontend * remote + rank - dp.local_size
 
 
-def with_heartbeat(socket: Any) -> Any:
-    """Pings the peer; a connection silent for HEARTBEAT_TIMEOUT_MS is closed."""
-    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-    return socket
+def check_head_ports(dp: Any, api_server_count: int, free: bool, coordinator: bool) -> None:
+    """ValueError unless the head's ports P .. P+A*R+1 (`head_port`) are <= 65535 and,
+    with `free`, those it will bind (the coordinator's with `coordinator`) are not in use
+    on --data-parallel-address: checked before any core starts."""
+    last = head_port(dp, api_server_count, None)
+    if last > 65535:
+        raise ValueError(
+            f"--data-parallel-rpc-port {dp.rpc_port} is too high: the head listens on "
+            f"ports {dp.rpc_port} .. {last} (the handshake, one per API server and remote "
+            "rank, the DP coordinator), which must be <= 65535"
+        )
+    bound = range(dp.rpc_port, last + 1 if coordinator else last)
+    taken = [port for port in bound if free and _in_use(dp, port)]
+    if taken:
+        raise ValueError(
+            f"the head's ports {taken} on {dp.data_parallel_address} are in use: it listens "
+            f"on {dp.rpc_port} .. {last} (--data-parallel-rpc-port and the ports after it)"
+        )
 
 
-class ConnectionWatch:
-    """Whether a socket's peer went away: its connection closed, or went silent and the
-    heartbeat closed it. On a connecting socket, its connection; on a bound one, the
-    connection its peer's first message came on (`follow`), so that another connection
-    to the port (a port scan) that comes and goes does not count. Made before the socket
-    binds or connects; `lost()` may be called from any thread."""
-
-    def __init__(self, socket: Any, bound: bool = False) -> None:
-        self._socket, self._bound = socket, bound
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._lock = threading.Lock()
-        self._fd: int | None = None  # a bound socket's followed connection
-        self._lost: str | None = None
-
-    def follow(self, frame: Any) -> None:
-        """Watches the connection that `frame`, received on the bound socket, came on."""
-        with self._lock:
-            self._fd = frame.get(zmq.SRCFD)
-
-    def lost(self) -> str | None:
-        with self._lock:
-            while self._lost is None and self._monitor is not None and self._monitor.poll(0):
-                fd = int(recv_monitor_message(self._monitor)["value"])  # the closed connection's
-                if not self._bound or fd == self._fd:
-                    self._lost = "its connection closed"
-            return self._lost
-
-    def close(self) -> None:
-        with self._lock:
-            if self._monitor is not None:
-                self._socket.disable_monitor()
-                self._monitor.close()
-                self._monitor = None
+def _in_use(dp: Any, port: int) -> bool:
+    with pysocket.socket() as probe:
+        probe.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((dp.data_parallel_address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise ValueError(
+                f"cannot listen on --data-parallel-address {dp.data_parallel_address} ({e}): "
+                "it must be this host's IP"
+            ) from None
+    return False
 
 
 class _Claim(NamedTuple):
@@ -162,13 +172,7 @@ class RemoteCores:
 
     def __init__(self, dp: Any, api_server_count: int, loads_address: str | None) -> None:
         self._dp, self._api_servers, self._loads_address = dp, api_server_count, loads_address
-        last = head_port(dp, api_server_count, None)
-        if last > 65535:
-            raise ValueError(
-                f"--data-parallel-rpc-port {dp.rpc_port} is too high: the head listens on "
-                f"ports {dp.rpc_port} .. {last} (the handshake, one per API server and remote "
-                "rank, the DP coordinator), which must be <= 65535"
-            )
+        check_head_ports(dp, api_server_count, free=False, coordinator=True)
         self._context = zmq.Context()
         self._socket = with_heartbeat(self._context.socket(zmq.ROUTER))
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -201,8 +205,9 @@ class RemoteCores:
         remote = set(range(self._dp.local_size, self._dp.data_parallel_size))
         while len(self.pids) < len(remote):
             if self._socket.poll(POLL_MS):
-                identity, payload = self._socket.recv_multipart()
-                self._on_message(identity, _decoder.decode(payload))
+                identity, message = self._receive()
+                if message is not None:
+                    self._on_message(identity, message)
             dead = local_dead()
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited while starting")
@@ -239,7 +244,9 @@ class RemoteCores:
         dp = self._dp
         ranks = list(range(message.start_rank, message.start_rank + message.size_local))
         error = None
-        if message.size != dp.data_parallel_size:
+        if message.size_local < 1:
+            error = f"size_local={message.size_local}: a headless process runs at least 1 rank"
+        elif message.size != dp.data_parallel_size:
             error = (
                 f"data_parallel_size={message.size} differs from the head's {dp.data_parallel_size}"
             )
@@ -256,6 +263,18 @@ class RemoteCores:
         frontends = [[self.address(i, r) for i in range(self._api_servers)] for r in ranks]
         self._send(identity, Welcome(None, self._loads_address, frontends))
 
+    def _receive(self) -> tuple[bytes, Any]:
+        """A waiting message and its sender's identity; the message None if it is not a
+        handshake message (one frame) of ours."""
+        identity, *frames = self._socket.recv_multipart(copy=False)
+        sender = _peer(identity)
+        if len(frames) != 1:
+            logger.warning(
+                "ignoring a %d-frame message on the DP handshake from %s", len(frames), sender
+            )
+            return identity.bytes, None
+        return identity.bytes, decode_from(frames[0].bytes, sender)
+
     def _send(self, identity: bytes, message: msgspec.Struct) -> bool:
         try:
             self._socket.send_multipart([identity, m.encode(message)], flags=zmq.NOBLOCK)
@@ -271,8 +290,8 @@ class RemoteCores:
         deadline = time.monotonic() + STOP_WAIT_S
         while waiting and time.monotonic() < deadline:
             if self._socket.poll(POLL_MS):
-                identity, payload = self._socket.recv_multipart()
-                if isinstance(_decoder.decode(payload), Stopped):
+                identity, message = self._receive()
+                if isinstance(message, Stopped):
                     waiting.discard(identity)
         if waiting:
             logger.warning("%d headless process(es) did not confirm their stop", len(waiting))
@@ -350,7 +369,7 @@ def _register(head: Any, dp: Any) -> Welcome:
             "--data-parallel-address and --data-parallel-rpc-port) and check the address; a "
             "head serving already (every rank registered) takes no more"
         )
-    welcome = _decoder.decode(head.recv())
+    welcome = decode_from(head.recv(), dp.handshake_address)
     if not isinstance(welcome, Welcome):
         raise RuntimeError(f"the head answered {welcome!r} to a registration")
     if welcome.error is not None:
@@ -364,7 +383,7 @@ def _startup_failure(
     """Why the cores' start is cut short (None: it goes on); reads the head's messages
     meanwhile (its probes, or a Stop: then sets `told`)."""
     while head.poll(0):
-        if isinstance(_decoder.decode(head.recv()), Stop):
+        if isinstance(decode_from(head.recv(), "the head"), Stop):
             told.set()
     if told.is_set():
         return "the head said stop while the engine cores started: stopping them"
@@ -377,7 +396,7 @@ def _serve(
     head: Any, watch: ConnectionWatch, procs: Any, stopping: threading.Event, address: str
 ) -> int:
     while not stopping.is_set():
-        if head.poll(POLL_MS * 5) and isinstance(_decoder.decode(head.recv()), Stop):
+        if head.poll(POLL_MS * 5) and isinstance(decode_from(head.recv(), address), Stop):
             logger.info("the head said stop: stopping the engine cores")
             procs.stop()
             head.send(m.encode(Stopped()))
