@@ -23,6 +23,14 @@ def lost_within(watch: ConnectionWatch, seconds: float) -> str | None:
     return watch.lost()
 
 
+def events_within(watch: ConnectionWatch, count: int, seconds: float) -> bool:
+    """Whether the watch took `count` monitor events (accepts and closes) in time."""
+    deadline = time.monotonic() + seconds
+    while watch.lost() is None and watch._events < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return watch._events >= count
+
+
 def stray_connection(port: int) -> None:
     """A TCP connection from another process that sends no zmq greeting, closed (a port
     scan): the bound socket's descriptor for it is free for the next connection."""
@@ -49,7 +57,9 @@ def test_a_stray_connection_is_not_the_cores_death_its_own_closing_is():
     core = None
     try:
         stray_connection(port)
-        time.sleep(0.2)  # the stray's close is queued before the core connects
+        # The stray's accept and close taken before the core connects (its descriptor
+        # then free for the core's connection).
+        assert events_within(watch, 2, 10)
         address = f"tcp://127.0.0.1:{port}"
         core = subprocess.Popen([sys.executable, "-c", CORE, address], stdin=subprocess.PIPE)
         assert bound.poll(30_000)
