@@ -49,6 +49,7 @@ from jvllm.parallel.distributed import initialize as initialize_distributed
 from jvllm.parallel.mesh import make_mesh
 from jvllm.pooling.factory import PoolingEngine, create_pooling_engine, pooling_task, runner_class
 from jvllm.runner import memory, xla_allocator
+from jvllm.runner.cpu_binding import bind_cpu_threads
 from jvllm.runner.kv_sizing import device_kv_blocks
 from jvllm.runner.model_runner import ModelRunner
 from jvllm.sampling_params import MAX_LOGPROBS
@@ -192,6 +193,7 @@ class EngineArgs:
     def _build(self) -> _Built:
         # Before anything starts JAX's backend (LLM and `jvllm serve` call it earlier).
         xla_allocator.configure_allocator(self.gpu_memory_utilization)
+        bind_cpu_threads()  # JVLLM_CPU_THREADS_BIND: XLA's compute cores, Python's
         check_cpu_offload(self.cpu_offload_gb)
         speculative, lora = self.speculative(), LoRAConfig.from_args(self)
         model_config = ModelConfig(

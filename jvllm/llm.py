@@ -25,6 +25,7 @@ from jvllm.generation_config import RequestDefaults
 from jvllm.lora.request import LoRARequest
 from jvllm.outputs import RequestOutput
 from jvllm.pooling.offline import PoolingMixin
+from jvllm.runner.cpu_binding import bind_cpu_threads
 from jvllm.runner.xla_allocator import configure_allocator
 from jvllm.sampling_params import BeamSearchParams, SamplingParams
 from jvllm.weight_sync import WeightSync, engine_devices
@@ -51,6 +52,7 @@ class LLM(WeightSync, PoolingMixin):
         # XLA's allocator reads its settings once, when JAX's backend starts: set them
         # from gpu_memory_utilization before anything can start it.
         configure_allocator(args.gpu_memory_utilization)
+        bind_cpu_threads()  # JVLLM_CPU_THREADS_BIND (docs/execution.md)
         # Before the engine: a bad generation_config or max_logprobs fails in a moment.
         self.defaults = RequestDefaults.load(args.generation_config, args.model, args.max_logprobs)
         self.engine = create_offline_engine(args)  # JVLLM_ENABLE_V1_MULTIPROCESSING=1: a process
