@@ -45,6 +45,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--request-rate", default="inf")
+    p.add_argument(
+        "--jvllm-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for jvllm's server only (repeatable), e.g. "
+        "JVLLM_CPU_THREADS_BIND=auto",
+    )
     p.add_argument("--models-dir", type=Path, default=common.DEFAULT_MODELS_DIR)
     p.add_argument("--output", type=Path, default=common.RESULTS_DIR / "peer_serve.json")
     return p.parse_args(argv)
@@ -81,9 +89,21 @@ def server_command(engine: str, peer_python: str, model: Path, port: int) -> lis
     return [vllm, "serve", str(model), *common_args]
 
 
+def _env_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--jvllm-env {pair!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
 def bench_once(args: argparse.Namespace, engine: str, model: Path, out_dir: Path, tag: str):
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    if engine == "jvllm":
+        env.update(_env_pairs(args.jvllm_env))
     log = open(out_dir / f"{tag}.server.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(
         server_command(engine, args.peer_python, model, port), stdout=log, stderr=log, env=env
@@ -133,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             input_len=args.input_len,
             output_len=args.output_len,
             request_rate=args.request_rate,
+            jvllm_env=_env_pairs(args.jvllm_env),
         ),
         runs=runs,
         medians=medians,
