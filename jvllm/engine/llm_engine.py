@@ -108,6 +108,7 @@ class LLMEngine:
             spec.num_speculative_tokens if lookahead else 0,
             getattr(runner, "kv_sliding_window", None),  # a runner's hybrid KV layout
         )
+        self.scheduler.token_buckets = getattr(runner, "token_buckets", None)
         self._rng = random.Random(config.model_config.seed)
         self.speculator = None
         if spec is not None:

@@ -23,6 +23,10 @@ from jvllm.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.step_io import ScheduledRequest
 
+# Steps of fewer tokens are not cut to a bucket: their cost is reading the weights, a few
+# padded tokens more or less change little, and the cut would delay a first token.
+MIN_ALIGNED_TOKENS = 64
+
 
 @dataclass
 class ScheduleStep:
@@ -59,6 +63,9 @@ class Admission:
     _num_recomputed_tokens: int
     # Schedules a request's next `num_new` positions as a row of the step.
     _add_row: Callable[[ScheduleStep, Request, int], None]
+    # The runner's token buckets (a step's tokens are padded up to the next one), set by
+    # the engine; None: first chunks are never cut to fit one.
+    token_buckets: tuple[int, ...] | None = None
 
     def _schedule_waiting(self, step: ScheduleStep) -> None:
         """Admit waiting requests in FIFO order while budget, sequences and blocks allow;
@@ -150,7 +157,8 @@ class Admission:
             return False
         sizes, budget = [], step.budget
         for i, request in enumerate(unit):
-            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i))
+            scheduled = self.scheduler_config.max_num_batched_tokens - budget
+            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i), scheduled)
             if num_new is None:
                 for taken in unit[:i]:
                     self.kv_cache_manager.drop_unwritten(taken)
@@ -165,10 +173,29 @@ class Admission:
             self._add_row(step, request, num_new)
         return True
 
-    def _take_blocks(self, request: Request, budget: int) -> int | None:
-        """Take blocks for a waiting request's first chunk of at most `budget` tokens and
-        set its computed tokens to what it shares; the chunk's size, or None (nothing
-        taken) when the free blocks do not suffice."""
+    def _bucket_aligned(self, num_new: int, scheduled: int) -> int:
+        """A first chunk of `num_new` prompt tokens, cut so that the step ends at the top of
+        a token bucket when the tokens cut off are fewer than the padding they would cost
+        (the runner pads a step up to its next bucket; the cut-off tokens run with the
+        next step). E.g. 3 decode rows and a 128-token prompt: 128 tokens now and 3 next,
+        not 131 padded to 160."""
+        buckets = self.token_buckets
+        if not buckets or self.is_static:
+            return num_new
+        total = scheduled + num_new
+        i = bisect.bisect_left(buckets, total)
+        if i == 0 or i == len(buckets) or buckets[i] == total:
+            return num_new
+        below = buckets[i - 1]
+        if below < MIN_ALIGNED_TOKENS:
+            return num_new  # a short step's cost is its weights' reads: padding costs little
+        cut = total - below
+        return num_new - cut if scheduled < below and cut < buckets[i] - total else num_new
+
+    def _take_blocks(self, request: Request, budget: int, scheduled: int = 0) -> int | None:
+        """Take blocks for a waiting request's first chunk of at most `budget` tokens (the
+        step holds `scheduled` already) and set its computed tokens to what it shares; the
+        chunk's size, or None (nothing taken) when the free blocks do not suffice."""
         kv = self.kv_cache_manager
         num_shared = request.num_prompt_tokens - 1
         if request.fork_source is not None and not kv.can_fork(request.fork_source, num_shared):
@@ -185,7 +212,7 @@ class Admission:
         else:
             prefix = kv.find_cached_prefix(request)
             num_shared = prefix.num_tokens
-            num_new = min(request.num_tokens - num_shared, budget)
+            num_new = self._bucket_aligned(min(request.num_tokens - num_shared, budget), scheduled)
             # The static baseline reserves a whole max_model_len sequence up front.
             reserve = self.scheduler_config.max_model_len if self.is_static else 0
             if not kv.allocate_slots(request, num_new, prefix, reserve):
