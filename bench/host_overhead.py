@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import importlib
 import math
-import operator
 import re
 import shutil
 import statistics
@@ -54,13 +53,18 @@ from jvllm.engine.request import Request
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.step_io import SamplingRow, StepResult
 from jvllm.layers.sampler import make_sampling_metadata
-from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
+from jvllm.runner.input_batch import (
+    BatchShape,
+    pack_rows,
+    pick_bucket,
+    token_buckets,
+    total_tokens,
+)
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
-_TOKEN_IDS = operator.attrgetter("token_ids")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -168,8 +172,7 @@ class NoDeviceRunner:
 
     def forward(self, scheduled: Any) -> None:
         rows = scheduled.scheduled
-        # As ModelRunner counts them (input_batch.total_tokens).
-        self.shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
+        self.shape = self.setup.shape(total_tokens(rows))  # as ModelRunner counts them
         self.rows = rows
         bs, tables = self.setup.args.block_size, scheduled.block_tables
         pack_rows(rows, self.shape, bs, tables, None, scheduled.columns)

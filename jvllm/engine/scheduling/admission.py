@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from jvllm.config import SchedulerConfig
 from jvllm.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.step_io import ScheduledRequest
+from jvllm.engine.step_io import StepRows
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ScheduleStep:
     """What one `schedule()` call has decided so far."""
 
     budget: int
-    rows: list[ScheduledRequest] = field(default_factory=list)
+    rows: StepRows
     # Request id -> its computed tokens before this step (its row's start position).
     starts: dict[str, int] = field(default_factory=dict)
     # Request id -> its row, for the rows that sample.

@@ -1,11 +1,12 @@
 """The running requests' rows of a step: decode rows, their draft tokens and placeholders.
 
 Owns `_schedule_running` (one row per running request, in order, until the token budget
-or the free blocks run out: the overlapped decode row whose token is still on the device,
-prompt chunks, and decode rows carrying speculative draft tokens as lookahead slots),
-`_lookahead` (how many drafts a row verifies) and `_add_row` (one `ScheduledRequest`,
-the request's counters advanced). `Scheduler` mixes this in; preemption and admission are
-`admission.py`'s, the step protocol and committing sampled tokens `scheduler.py`'s.
+or the free blocks run out: the steady decode row whose token is still on the device,
+kept as columns of `StepRows`; prompt chunks, and decode rows carrying speculative
+draft tokens as lookahead slots), `_lookahead` (how many drafts a row verifies) and
+`_add_row` (one `ScheduledRequest`, the request's counters advanced). `Scheduler`
+mixes this in; preemption and admission are `admission.py`'s, the step protocol and
+committing sampled tokens `scheduler.py`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ class RunningRows:
     def _schedule_running(self, step: ScheduleStep) -> None:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
         previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
-        tables, sampling_rows, starts = kv.block_tables, step.sampling_rows, step.starts
+        sampling_rows, starts = step.sampling_rows, step.starts
+        # A steady decode row is four columns of `StepRows`, no `ScheduledRequest`.
+        row_requests = rows.requests
+        add_request, add_start = row_requests.append, rows.starts.append
+        add_table_row, add_prev = rows.table_rows.append, rows.prev_rows.append
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -62,26 +67,18 @@ class RunningRows:
                 if num_tokens >= request.max_num_tokens:
                     continue
                 if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
-                    # The overlapped decode row (most rows of most steps): its one token
+                    # The steady decode row (most rows of most steps): its one token
                     # is the one the previous step samples, still on the device.
                     if not (
                         kv.allocate_slot(request) or self._allocate(step, request, 1, [request])
                     ):
                         return
                     request_id = request.request_id
-                    sampling_rows[request_id] = len(rows)
-                    rows.append(  # positional: keywords cost a dict per row
-                        ScheduledRequest(
-                            request_id,
-                            [PLACEHOLDER_TOKEN],
-                            computed,
-                            tables[request_id],
-                            True,  # samples
-                            previous_rows[request_id],  # prev_step_row
-                            0,  # num_spec_tokens
-                            table_rows[request_id],  # table_row
-                        )
-                    )
+                    sampling_rows[request_id] = len(row_requests)
+                    add_request(request)
+                    add_start(computed)
+                    add_table_row(table_rows[request_id])
+                    add_prev(previous_rows[request_id])
                     starts[request_id] = computed
                     step.budget -= 1
                     request.num_output_placeholders = 2
@@ -145,18 +142,17 @@ class RunningRows:
             step.sampling_rows[request_id] = len(rows)
             request.num_output_placeholders = placeholders + 1
         kv = self.kv_cache_manager
-        rows.append(
-            ScheduledRequest(
-                request_id,
-                token_ids,
-                start,
-                kv.block_tables[request_id],
-                samples,
-                prev_step_row,
-                num_spec,
-                kv.table_array.row(request_id),
-            )
+        row = ScheduledRequest(
+            request_id,
+            token_ids,
+            start,
+            kv.block_tables[request_id],
+            samples,
+            prev_step_row,
+            num_spec,
+            kv.table_array.row(request_id),
         )
+        rows.add(row, request)
         step.starts[request_id] = start
         step.budget -= num_new + num_spec
         request.num_computed_tokens = end + num_spec

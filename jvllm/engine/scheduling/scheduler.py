@@ -37,7 +37,7 @@ from jvllm.engine.metrics import SchedulerStats
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduling.admission import Admission, ScheduleStep
 from jvllm.engine.scheduling.rows import RunningRows
-from jvllm.engine.step_io import SchedulerOutput
+from jvllm.engine.step_io import SchedulerOutput, StepRows
 
 
 class Scheduler(Admission, RunningRows):
@@ -96,7 +96,8 @@ class Scheduler(Admission, RunningRows):
 
     def schedule(self) -> SchedulerOutput:
         assert len(self._pending_steps) <= 1, "commit the step before the last one first"
-        step = ScheduleStep(budget=self.scheduler_config.max_num_batched_tokens)
+        kv = self.kv_cache_manager
+        step = ScheduleStep(self.scheduler_config.max_num_batched_tokens, StepRows(kv.block_tables))
         self._schedule_running(step)
         # A step that had to preempt has no blocks to spare for newcomers.
         if not step.preempted_ids and not (self.is_static and self.running):
@@ -130,29 +131,34 @@ class Scheduler(Admission, RunningRows):
         kept, then the token it sampled after them.
 
         A request preempted since the step was scheduled keeps its token (the step did
-        compute it); one finished since then is gone and its row is ignored.
+        compute it); one finished since then is gone and its row is ignored. Steady
+        decode rows (`StepRows`' columns) are read as their requests alone.
         """
         assert self._pending_steps.popleft() == output.step_id, "steps commit in order"
-        assert len(sampled) >= len(output.scheduled), (len(sampled), len(output.scheduled))
-        kv, block_size, requests = self.kv_cache_manager, self.block_size, self._requests
-        for row, token in zip(output.scheduled, sampled, strict=False):
-            if not row.samples:
+        rows = output.scheduled
+        assert isinstance(rows, StepRows), type(rows)
+        assert len(sampled) >= len(rows), (len(sampled), len(rows))
+        kv, block_size, whole = self.kv_cache_manager, self.block_size, rows.whole
+        running = RequestStatus.RUNNING
+        for i, (request, token) in enumerate(zip(rows.requests, sampled, strict=False)):
+            row = whole.get(i) if whole else None  # None: a steady decode row
+            if row is not None and not row.samples:
                 continue
-            request = requests.get(row.request_id)
-            if request is None:
-                continue
+            status = request.status
+            if status is not running and status.is_finished:
+                continue  # finished since the step was scheduled: its row is dropped
             assert request.num_output_placeholders > 0, (request, row)
             request.num_output_placeholders -= 1
-            if request.beam_group is not None:
+            if row is not None and request.beam_group is not None:
                 # Its group picks the next token from the row's candidates (replace_beams).
-                request.awaiting_selection = request.status is RequestStatus.RUNNING
+                request.awaiting_selection = status is running
                 continue
-            if row.num_spec_tokens:
+            if row is not None and row.num_spec_tokens:
                 assert verified is not None, row
                 tokens = verified[row.request_id]
                 assert 1 <= len(tokens) <= row.num_spec_tokens + 1, (row, tokens)
                 request.output_token_ids += tokens
-                if request.status is RequestStatus.RUNNING:
+                if status is running:
                     # The rejected drafts' K/V count no more; later steps overwrite it.
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
@@ -161,7 +167,7 @@ class Scheduler(Admission, RunningRows):
                 # One more known token completes a block only at a block boundary.
                 if (len(request.prompt_token_ids) + len(outputs)) % block_size:
                     continue
-            if request.status is RequestStatus.RUNNING:
+            if status is running:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
     def replace_beams(
