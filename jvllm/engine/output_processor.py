@@ -146,9 +146,10 @@ class OutputProcessor:
             return False
         sequences = self.sequences
         if isinstance(rows, StepRows):  # by request and previous row: no row made whole
+            previous = rows.columns().prev_step_rows.tolist()
             return any(
                 prev >= 0 and sequences[request.request_id].constraints.needs_latest_token
-                for request, prev in zip(rows.requests, rows.prev_rows, strict=True)
+                for request, prev in zip(rows.requests, previous, strict=True)
             )
         return any(
             r.prev_step_row is not None and sequences[r.request_id].constraints.needs_latest_token

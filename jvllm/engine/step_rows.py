@@ -7,12 +7,12 @@ as numpy columns.
 
 Most rows of most steps are steady decode rows: one token, the one the previous step
 samples (still on the device), no drafts. `StepRows` keeps those as columns only (the
-request, its start position, block-table row and previous sampling row, in plain
-lists the scheduler appends to), and every other row (prompt chunks, rows with drafts,
-beams) whole. Packing, the sampling columns and committing read the columns; a
-`ScheduledRequest` of a steady row is made only when something asks for it
-(`rows[i]`, iteration), as vLLM's scheduler sends its running requests as columns
-(`CachedRequestData`) rather than one object each.
+request, its start position and block-table row in plain lists the scheduler appends
+to; its previous sampling row from the scheduler's per-table-row array), and every
+other row (prompt chunks, rows with drafts, beams) whole. Packing, the sampling
+columns and committing read the columns; a `ScheduledRequest` of a steady row is made
+only when something asks for it (`rows[i]`, iteration), as vLLM's scheduler sends
+its running requests as columns (`CachedRequestData`) rather than one object each.
 
 Not owned: which rows run (the scheduler), what the runner makes of them (`pack_rows`).
 """
@@ -54,15 +54,14 @@ class ScheduledRequest(NamedTuple):
 class StepRows(Sequence[ScheduledRequest]):
     """One step's rows in order: steady decode rows as columns, the others whole.
 
-    Row i is `requests[i]`'s; it starts at `starts[i]`, its block table is row
-    `table_rows[i]` of the step's block-table array, and `prev_rows[i]` is the row of
-    the previous step whose sample is its token (-1: none). `whole` holds the rows that
-    are not steady decode rows, by index; a steady row is one placeholder token that
-    samples (`ScheduledRequest(id, [PLACEHOLDER_TOKEN], start, table, True, prev, 0,
-    table_row)`).
+    Row i is `requests[i]`'s; it starts at `starts[i]` and its block table is row
+    `table_rows[i]` of the step's block-table array. `whole` holds the rows that are not
+    steady decode rows, by index; a steady row is one placeholder token that samples,
+    whose previous row is known once the scheduler `seal`s the rows
+    (`ScheduledRequest(id, [PLACEHOLDER_TOKEN], start, table, True, prev, 0, table_row)`).
     """
 
-    __slots__ = ("requests", "starts", "table_rows", "prev_rows", "whole", "_tables")
+    __slots__ = ("requests", "starts", "table_rows", "whole", "_tables", "_columns")
 
     def __init__(self, block_tables: Mapping[str, list[int]]) -> None:
         """`block_tables`: request id -> its table (the KV cache manager's own dict),
@@ -70,9 +69,9 @@ class StepRows(Sequence[ScheduledRequest]):
         self.requests: list[Request] = []
         self.starts: list[int] = []
         self.table_rows: list[int] = []
-        self.prev_rows: list[int] = []
         self.whole: dict[int, ScheduledRequest] = {}
         self._tables = block_tables
+        self._columns: RowColumns | None = None
 
     def add(self, row: ScheduledRequest, request: Request) -> None:
         """Appends a row that is not a steady decode row."""
@@ -80,7 +79,34 @@ class StepRows(Sequence[ScheduledRequest]):
         self.requests.append(request)
         self.starts.append(row.start_position)
         self.table_rows.append(row.table_row)
-        self.prev_rows.append(-1 if row.prev_step_row is None else row.prev_step_row)
+
+    def seal(self, previous_rows: np.ndarray) -> RowColumns:
+        """The rows' columns, taken once every row is in: a steady row's previous row is
+        `previous_rows[its table row]` (`[table rows]`: each table row's sampling row in
+        the step before), a whole row's its own."""
+        assert self._columns is None, "sealed twice"
+        n = len(self.requests)
+        table_rows = np.array(self.table_rows, np.int64).reshape(n)  # [n]
+        num_tokens = np.ones(n, np.int64)  # [n]
+        samples = np.ones(n, bool)  # [n]
+        num_spec = np.zeros(n, np.int64)  # [n]
+        prev = previous_rows[table_rows]  # [n]
+        assert (np.delete(prev, list(self.whole)) >= 0).all(), "a steady row without one"
+        for i, row in self.whole.items():
+            num_tokens[i] = len(row.token_ids)
+            num_spec[i] = row.num_spec_tokens
+            samples[i] = row.samples
+            prev[i] = -1 if row.prev_step_row is None else row.prev_step_row
+        starts = np.array(self.starts, np.int64).reshape(n)  # [n]
+        self._columns = RowColumns(num_tokens, starts, table_rows, prev, samples, num_spec)
+        return self._columns
+
+    def columns(self, with_samples: bool = True) -> RowColumns:
+        """The sealed columns (`samples` all False without `with_samples`)."""
+        assert self._columns is not None, "seal the rows first"
+        if with_samples:
+            return self._columns
+        return self._columns._replace(samples=np.zeros(len(self.requests), bool))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -106,7 +132,7 @@ class StepRows(Sequence[ScheduledRequest]):
             self.starts[index],
             self._tables.get(request_id, []),  # [] once the request finished
             True,
-            self.prev_rows[index],
+            int(self.columns().prev_step_rows[index]),
             0,
             self.table_rows[index],
         )
@@ -123,26 +149,6 @@ class StepRows(Sequence[ScheduledRequest]):
 
     def __repr__(self) -> str:
         return f"StepRows({list(self)!r})"
-
-    def columns(self, with_samples: bool = True) -> RowColumns:
-        """The rows' columns: the steady rows' from the lists, the whole rows' patched in."""
-        n = len(self.requests)
-        num_tokens = np.ones(n, np.int64)  # [n]
-        samples = np.ones(n, bool) if with_samples else np.zeros(n, bool)  # [n]
-        num_spec = np.zeros(n, np.int64)  # [n]
-        for i, row in self.whole.items():
-            num_tokens[i] = len(row.token_ids)
-            num_spec[i] = row.num_spec_tokens
-            if with_samples:
-                samples[i] = row.samples
-        return RowColumns(
-            num_tokens,
-            np.array(self.starts, np.int64).reshape(n),
-            np.array(self.table_rows, np.int64).reshape(n),
-            np.array(self.prev_rows, np.int64).reshape(n),
-            samples,
-            num_spec,
-        )
 
 
 class RowColumns(NamedTuple):

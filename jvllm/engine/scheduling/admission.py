@@ -30,10 +30,9 @@ class ScheduleStep:
 
     budget: int
     rows: StepRows
-    # Request id -> its computed tokens before this step (its row's start position).
+    # Request id -> its computed tokens before this step (its row's start position), for
+    # the rows that are not steady decode rows.
     starts: dict[str, int] = field(default_factory=dict)
-    # Request id -> its row, for the rows that sample.
-    sampling_rows: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from jvllm.config import SchedulerConfig
 from jvllm.engine.kv.kv_cache_manager import KVCacheManager
 from jvllm.engine.request import Request
@@ -26,8 +28,9 @@ class RunningRows:
     scheduler_config: SchedulerConfig
     kv_cache_manager: KVCacheManager
     running: list[Request]
-    # Request id -> its sampling row in the previous step (for `prev_step_row`).
-    _sampling_rows: dict[str, int]
+    # [table rows] int64: each block-table row's sampling row in the previous step
+    # (-1: none), for `prev_step_row` (`Scheduler.schedule` renews it every step).
+    _previous_rows: np.ndarray
     _unit_at: Callable[[int], list[Request]]
     _reaches_length_limit: Callable[[Request], bool]
     _schedule_unit: Callable[[ScheduleStep, list[Request], list[Request]], bool]
@@ -35,12 +38,11 @@ class RunningRows:
 
     def _schedule_running(self, step: ScheduleStep) -> None:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
-        previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
-        sampling_rows, starts = step.sampling_rows, step.starts
-        # A steady decode row is four columns of `StepRows`, no `ScheduledRequest`.
-        row_requests = rows.requests
-        add_request, add_start = row_requests.append, rows.starts.append
-        add_table_row, add_prev = rows.table_rows.append, rows.prev_rows.append
+        table_rows = kv.table_array.row_of
+        # A steady decode row is three columns of `StepRows`, no `ScheduledRequest`; its
+        # previous row comes from `_previous_rows` when the rows are sealed.
+        add_request, add_start = rows.requests.append, rows.starts.append
+        add_table_row = rows.table_rows.append
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -73,13 +75,11 @@ class RunningRows:
                         kv.allocate_slot(request) or self._allocate(step, request, 1, [request])
                     ):
                         return
-                    request_id = request.request_id
-                    sampling_rows[request_id] = len(row_requests)
+                    # (No `step.starts` entry: only a fork source's is read, whose
+                    # prompt is computed before and after this row.)
                     add_request(request)
                     add_start(computed)
-                    add_table_row(table_rows[request_id])
-                    add_prev(previous_rows[request_id])
-                    starts[request_id] = computed
+                    add_table_row(table_rows[request.request_id])
                     step.budget -= 1
                     request.num_output_placeholders = 2
                     request.num_computed_tokens = computed + 1
@@ -127,7 +127,10 @@ class RunningRows:
             # The one token of this row is still on the device: the previous step sampled it.
             assert num_new == 1 and placeholders == 1, request
             token_ids = [PLACEHOLDER_TOKEN]
-            prev_step_row = self._sampling_rows[request_id]
+            prev_step_row = int(
+                self._previous_rows[self.kv_cache_manager.table_array.row(request_id)]
+            )
+            assert prev_step_row >= 0, request
         else:
             token_ids = request.get_token_ids(start, end)
         samples = end == num_tokens + placeholders
@@ -137,9 +140,7 @@ class RunningRows:
         if drafts:
             num_spec = len(drafts)
             token_ids = token_ids + drafts
-        rows = step.rows
         if samples:
-            step.sampling_rows[request_id] = len(rows)
             request.num_output_placeholders = placeholders + 1
         kv = self.kv_cache_manager
         row = ScheduledRequest(
@@ -152,7 +153,7 @@ class RunningRows:
             num_spec,
             kv.table_array.row(request_id),
         )
-        rows.add(row, request)
+        step.rows.add(row, request)
         step.starts[request_id] = start
         step.budget -= num_new + num_spec
         request.num_computed_tokens = end + num_spec

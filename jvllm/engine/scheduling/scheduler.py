@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.kv.hybrid_kv_cache_manager import new_kv_cache_manager
 from jvllm.engine.kv.kv_cache_manager import cdiv
@@ -77,8 +79,9 @@ class Scheduler(Admission, RunningRows):
         self._num_beams = 0  # of those, beams of beam searches
         self._pending_steps: deque[int] = deque()  # step ids scheduled, not yet committed
         self._next_step_id = 0
-        # Request id -> its row in the latest step, for rows that sample.
-        self._sampling_rows: dict[str, int] = {}
+        # [table rows] int64: each block-table row's sampling row in the latest step
+        # (-1: none), for the next step's rows that feed back its samples.
+        self._previous_rows = np.full(1, -1, np.int64)
         self._num_preemptions = 0
         self._num_swapped_out_blocks = 0
         self._num_swapped_in_blocks = 0
@@ -105,7 +108,7 @@ class Scheduler(Admission, RunningRows):
             if not self.swapped:
                 self._schedule_waiting(step)
         offloads, onloads = self.kv_cache_manager.take_host_copies()
-        self._sampling_rows = step.sampling_rows
+        self._previous_rows = self._seal(step.rows)
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self._pending_steps.append(step_id)
         return SchedulerOutput(
@@ -118,6 +121,20 @@ class Scheduler(Admission, RunningRows):
             blocks_to_swap_in=step.swap_in + onloads,
             block_tables=self.kv_cache_manager.table_array.array,
         )
+
+    def _seal(self, rows: StepRows) -> np.ndarray:
+        """Takes the step's columns (its steady rows' previous rows from the last step's
+        map); returns this step's map: each table row's sampling row (-1: none)."""
+        num_table_rows = len(self.kv_cache_manager.table_array.array)
+        previous = self._previous_rows  # [table rows then]
+        if len(previous) < num_table_rows:  # the table array grew: new rows had no row
+            missing = np.full(num_table_rows - len(previous), -1, np.int64)
+            previous = np.concatenate([previous, missing])
+        columns = rows.seal(previous)
+        latest = np.full(num_table_rows, -1, np.int64)  # [table rows]
+        sampling = np.flatnonzero(columns.samples & (columns.table_rows >= 0))
+        latest[columns.table_rows[sampling]] = sampling
+        return latest
 
     def update_from_output(
         self,
