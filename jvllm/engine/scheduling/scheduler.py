@@ -159,18 +159,27 @@ class Scheduler(Admission, RunningRows):
         running = RequestStatus.RUNNING
         for i, (request, token) in enumerate(zip(rows.requests, sampled, strict=False)):
             row = whole.get(i) if whole else None  # None: a steady decode row
-            if row is not None and not row.samples:
-                continue
             status = request.status
             if status is not running and status.is_finished:
                 continue  # finished since the step was scheduled: its row is dropped
+            if row is None:  # one token, sampled: the placeholder becomes it
+                request.num_output_placeholders -= 1
+                outputs = request.output_token_ids
+                outputs.append(token)
+                # One more known token completes a block only at a block boundary.
+                known = len(request.prompt_token_ids) + len(outputs)
+                if known % block_size == 0 and status is running:
+                    kv.cache_full_blocks(request)
+                continue
+            if not row.samples:
+                continue
             assert request.num_output_placeholders > 0, (request, row)
             request.num_output_placeholders -= 1
-            if row is not None and request.beam_group is not None:
+            if request.beam_group is not None:
                 # Its group picks the next token from the row's candidates (replace_beams).
                 request.awaiting_selection = status is running
                 continue
-            if row is not None and row.num_spec_tokens:
+            if row.num_spec_tokens:
                 assert verified is not None, row
                 tokens = verified[row.request_id]
                 assert 1 <= len(tokens) <= row.num_spec_tokens + 1, (row, tokens)
@@ -179,11 +188,7 @@ class Scheduler(Admission, RunningRows):
                     # The rejected drafts' K/V count no more; later steps overwrite it.
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
-                outputs = request.output_token_ids
-                outputs.append(token)
-                # One more known token completes a block only at a block boundary.
-                if (len(request.prompt_token_ids) + len(outputs)) % block_size:
-                    continue
+                request.output_token_ids.append(token)
             if status is running:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
