@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import importlib
 import math
-import operator
 import re
 import shutil
 import statistics
@@ -54,13 +53,18 @@ from jvllm.engine.request import Request
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.step_io import SamplingRow, StepResult
 from jvllm.layers.sampler import make_sampling_metadata
-from jvllm.runner.input_batch import BatchShape, pack_rows, pick_bucket, token_buckets
+from jvllm.runner.input_batch import (
+    BatchShape,
+    pack_rows,
+    pick_bucket,
+    token_buckets,
+    total_tokens,
+)
 from jvllm.runner.model_runner import MIN_TOKEN_BUCKET
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 from jvllm.testing.checkpoints import write_word_tokenizer
 
 GOAL_US_AT_256 = 1000.0
-_TOKEN_IDS = operator.attrgetter("token_ids")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -106,7 +110,13 @@ class Setup:
         self.num_seqs = num_seqs
         batched = max(2048, num_seqs)
         self.scheduler_config = SchedulerConfig(num_seqs, batched, args.max_model_len)
-        per_seq = math.ceil((args.prompt_len + 4 * args.steps + 8) / args.block_size)
+        # While the last prompts prefill, the first ones decode a token a step: about
+        # num_seqs * prompt_len / (batched - num_seqs) steps, more than --steps when few.
+        prefill_steps = math.ceil(
+            num_seqs * args.prompt_len / max(batched - num_seqs, args.prompt_len)
+        )
+        decoded = prefill_steps + 4 * args.steps + 8
+        per_seq = math.ceil((args.prompt_len + decoded) / args.block_size)
         one_full_seq = math.ceil(args.max_model_len / args.block_size)  # the scheduler checks it
         self.num_blocks = max(num_seqs * per_seq, one_full_seq) + 1
         self.cache_config = CacheConfig(args.block_size, num_gpu_blocks_override=self.num_blocks)
@@ -148,6 +158,8 @@ def time_components(setup: Setup) -> dict[str, list[float]]:
         sched.update_from_output(out, sampled)
         t6 = time.perf_counter()
         step += 1
+        if out.preempted_request_ids:  # the sizing above is wrong: say so, not loop on
+            raise RuntimeError(f"step {step} preempted {len(out.preempted_request_ids)}")
         if len(rows) == setup.num_seqs and all(len(r.token_ids) == 1 for r in rows):
             for key, dt in zip(times, (t1 - t0, t2 - t1, t4 - t3, t6 - t5), strict=True):
                 times[key].append(dt)
@@ -168,8 +180,7 @@ class NoDeviceRunner:
 
     def forward(self, scheduled: Any) -> None:
         rows = scheduled.scheduled
-        # As ModelRunner counts them (input_batch.total_tokens).
-        self.shape = self.setup.shape(sum(map(len, map(_TOKEN_IDS, rows))))
+        self.shape = self.setup.shape(total_tokens(rows))  # as ModelRunner counts them
         self.rows = rows
         bs, tables = self.setup.args.block_size, scheduled.block_tables
         pack_rows(rows, self.shape, bs, tables, None, scheduled.columns)

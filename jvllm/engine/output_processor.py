@@ -19,7 +19,7 @@ from jvllm.engine.detokenizer import build_token_pieces
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import StepSequence
-from jvllm.engine.step_io import ScheduledRequest, SchedulerOutput, StepResult
+from jvllm.engine.step_io import ScheduledRequest, SchedulerOutput, StepResult, StepRows
 from jvllm.outputs import RequestOutput
 
 
@@ -134,7 +134,10 @@ class OutputProcessor:
                 state.candidates = None
 
     def states(self, rows: Sequence[ScheduledRequest]) -> list[SequenceState | Beam]:
+        """Each row's sequence state (the scheduler's `StepRows`: read by request)."""
         sequences = self.sequences
+        if isinstance(rows, StepRows):
+            return [sequences[request.request_id] for request in rows.requests]
         return [sequences[row.request_id] for row in rows]
 
     def needs_previous_tokens(self, rows: Sequence[ScheduledRequest]) -> bool:
@@ -142,6 +145,12 @@ class OutputProcessor:
         if not self.num_late:
             return False
         sequences = self.sequences
+        if isinstance(rows, StepRows):  # by request and previous row: no row made whole
+            previous = rows.columns().prev_step_rows.tolist()
+            return any(
+                prev >= 0 and sequences[request.request_id].constraints.needs_latest_token
+                for request, prev in zip(rows.requests, previous, strict=True)
+            )
         return any(
             r.prev_step_row is not None and sequences[r.request_id].constraints.needs_latest_token
             for r in rows
@@ -166,10 +175,13 @@ class OutputProcessor:
         proposed: dict[str, BeamGroup] = {}
         drafting: list[StepSequence] = []
         rows = sched.scheduled
+        # Rows other than steady decode rows, by index (a plain list: every row).
+        whole = rows.whole if isinstance(rows, StepRows) else dict(enumerate(rows))
         inline = not self.speculates  # no drafts to verify or propose: plain rows inline
         num_inline = 0
-        for i, (state, row, wants) in enumerate(zip(states, rows, want_prompt, strict=True)):
-            if inline and row.samples and not wants and state.plain_commit:
+        for i, (state, wants) in enumerate(zip(states, want_prompt, strict=True)):
+            row = whole.get(i)  # None: a steady decode row (one token, sampled)
+            if inline and not wants and state.plain_commit and (row is None or row.samples):
                 # Most rows: one token the scheduler appended, text and stop checks only
                 # (`_add_tokens` for one token, without logprobs or a grammar).
                 if state.finished:
@@ -183,6 +195,7 @@ class OutputProcessor:
                     state.matched_stop = matched
                     self._check_stop(state, num_out)
             elif isinstance(state, Beam):
+                row = rows[i] if row is None else row
                 # Preempted since dispatch: not awaiting selection, it proposes again.
                 if not state.finished and row.samples and state.request.awaiting_selection:
                     group = self.requests[state.group_id]
@@ -193,6 +206,7 @@ class OutputProcessor:
             else:
                 if state.finished:
                     continue  # stopped or aborted after this step was dispatched
+                row = rows[i] if row is None else row
                 if wants:
                     assert result.prompt_logprobs is not None
                     state.add_prompt_logprobs(row, result.prompt_logprobs[i])

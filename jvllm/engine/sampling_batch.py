@@ -54,9 +54,12 @@ class SamplingBatch:
         cols = RowColumns.of(rows) if row_columns is None else row_columns
         n = len(rows)
         slots = cols.table_rows  # [n]
+        if n and slots.max() >= len(self.owners):
+            self._grow(2 * int(slots.max()) + 2)
         self._claim(slots.tolist(), states)
-        finished = np.fromiter(map(_FINISHED, states), bool, n)
-        active = cols.samples & ~finished  # [n]
+        active = cols.samples  # [n]
+        if any(map(_FINISHED, states)):  # only when a commit came between (most steps not)
+            active = active & ~np.fromiter(map(_FINISHED, states), bool, n)
         constants = self.constants[slots]  # [n, fields]
         constants[~active] = _IDLE_CONSTANTS
         seeds = np.where(active, self.seeds[slots], 0)
@@ -72,9 +75,8 @@ class SamplingBatch:
         return SamplingColumns(records, seeds, step_index, special)
 
     def _claim(self, slots: list[int], states: Sequence[Any]) -> None:
-        """(Re)writes the slots whose owner is not the state scheduled there now."""
-        if slots and max(slots) >= len(self.owners):
-            self._grow(2 * max(slots) + 2)
+        """(Re)writes the slots whose owner is not the state scheduled there now (each
+        slot is below `len(owners)`)."""
         owners = self.owners
         for slot, state in zip(slots, states, strict=True):
             if owners[slot] is not state:

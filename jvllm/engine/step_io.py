@@ -1,7 +1,8 @@
 """What crosses the engine/runner boundary in one step, and the runner's protocol.
 
-Owns the types both sides read: the scheduler's decision (`SchedulerOutput`, one
-`ScheduledRequest` per row), the sampler's view of a row (`SamplingRow`), the step's
+Owns the types both sides read: the scheduler's decision (`SchedulerOutput`; its rows,
+`StepRows` of `ScheduledRequest`s with steady decode rows as columns, are defined in
+`step_rows.py` and re-exported here), the sampler's view of a row (`SamplingRow`), the step's
 sampling inputs (`StepSampling`) and the host copies of what the device sampled
 (`StepResult`); and `StepRunner`, the calls the engine makes on the device side. It
 imports no jax (numpy only), so the engine stays host-only and the runner needs
@@ -31,69 +32,16 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from jvllm.engine.step_rows import (  # noqa: F401  (the boundary's row types, re-exported)
+    PLACEHOLDER_TOKEN,
+    RowColumns,
+    ScheduledRequest,
+    StepRows,
+)
 from jvllm.sampling_params import SAMPLER_CONSTANTS, SamplingParams
 
 if TYPE_CHECKING:
     from jvllm.lora.peft_adapter import LoRAModel
-
-# The token id a row carries where the device substitutes the previous step's sample.
-PLACEHOLDER_TOKEN = 0
-
-
-class ScheduledRequest(NamedTuple):
-    """One request's share of a step (a NamedTuple: one is built per row and step)."""
-
-    request_id: str
-    token_ids: list[int]  # all_token_ids[start_position : start_position + len(token_ids)]
-    start_position: int  # num_computed_tokens before the step: the position of token_ids[0]
-    # The request's table itself, valid until the next schedule(): it covers at least
-    # start_position + len(token_ids) positions.
-    block_table: list[int]
-    samples: bool  # every known token is computed after this step, so one is sampled
-    # Set when the row's one token is the one the previous step's row of this index
-    # sampled, still unknown to the host (token_ids then holds PLACEHOLDER_TOKEN).
-    prev_step_row: int | None = None
-    # The last this many of token_ids are draft tokens to verify (speculative decoding).
-    num_spec_tokens: int = 0
-    # Its block table's row in the step's `SchedulerOutput.block_tables` (-1: none).
-    table_row: int = -1
-
-
-class RowColumns(NamedTuple):
-    """A step's rows as columns (entry i is `scheduled[i]`'s): what both the runner's
-    packing (`pack_rows`) and the engine's sampling batch read of every row, taken
-    from the rows once per step (`SchedulerOutput.columns`)."""
-
-    num_tokens: np.ndarray  # [n] int64: len(token_ids)
-    start_positions: np.ndarray  # [n] int64
-    table_rows: np.ndarray  # [n] int64 (-1: none)
-    prev_step_rows: np.ndarray  # [n] int64 (-1: none)
-    samples: np.ndarray  # [n] bool
-
-    @classmethod
-    def of(cls, rows: Sequence[ScheduledRequest], with_samples: bool = True) -> RowColumns:
-        """The rows' columns; `samples` all False without `with_samples` (rows that do
-        not say, as the runner's pieces of rows cut between micro-batches)."""
-        n = len(rows)
-        # map() over attrgetters: C-level loops, no generator frame per column.
-        try:  # a decode step: every row feeds back a previous row's token
-            prev = np.fromiter(map(_PREV_STEP_ROW, rows), np.int64, n)
-        except TypeError:  # some row has none
-            prev = np.array([-1 if p is None else p for p in map(_PREV_STEP_ROW, rows)], np.int64)
-        return cls(
-            np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, n),
-            np.fromiter(map(_START, rows), np.int64, n),
-            np.fromiter(map(_TABLE_ROW, rows), np.int64, n),
-            prev,
-            np.fromiter(map(_SAMPLES, rows), bool, n) if with_samples else np.zeros(n, bool),
-        )
-
-
-_TOKEN_IDS = operator.attrgetter("token_ids")
-_START = operator.attrgetter("start_position")
-_TABLE_ROW = operator.attrgetter("table_row")
-_PREV_STEP_ROW = operator.attrgetter("prev_step_row")
-_SAMPLES = operator.attrgetter("samples")
 
 
 class MultiModalFeature(NamedTuple):
@@ -112,7 +60,8 @@ class MultiModalFeature(NamedTuple):
 @dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int  # consecutive; update_from_output() commits steps in this order
-    scheduled: list[ScheduledRequest]  # running requests first, then newly admitted ones
+    # Running requests first, then newly admitted ones (the scheduler's: `StepRows`).
+    scheduled: Sequence[ScheduledRequest]
     blocks_to_copy: list[tuple[int, int]]  # (src, dst), applied before this step's forward
     preempted_request_ids: list[str]
     num_scheduled_tokens: int

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.engine.step_io import RowColumns
+from jvllm.engine.step_io import RowColumns, StepRows
 from jvllm.layers.attention import AttentionMetadata
 
 
@@ -162,9 +162,7 @@ def pack_rows(
         tables[table_rows, within] = flat
     fed_back = prev >= 0  # [n]: the rows whose one token the device fills in
     if total != n or not fed_back.all():  # else every token is a placeholder (async decode)
-        tokens[:total] = np.fromiter(
-            itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
-        )
+        _fill_tokens(tokens, rows, qsl, total)
     if total == n:
         # Every row one token (a decode step, no drafts): token i is row i's.
         seq_of_token, pos, firsts = np.arange(n), starts, np.arange(n)
@@ -174,7 +172,7 @@ def pack_rows(
         seq_of_token = np.repeat(np.arange(n), lens)
         pos = np.arange(total) - np.repeat(qsl[:n].astype(np.int64), lens) + starts[seq_of_token]
         firsts = qsl[:n]
-        logits_indices[:] = _logits_indices(rows, qsl, shape.logits_rows)
+        logits_indices[:] = _logits_indices(cols.num_spec_tokens, qsl, shape.logits_rows)
     positions[:total] = pos
     # Padding -> slot 0 of the null block.
     slots[:total] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
@@ -192,26 +190,45 @@ _NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 
 def total_tokens(rows: Sequence[StepRow]) -> int:
-    """The rows' tokens in all (a C-level loop: hundreds of rows a step)."""
+    """The rows' tokens in all (a C-level loop: hundreds of rows a step; a `StepRows`'
+    steady decode rows count one each, unread)."""
+    if isinstance(rows, StepRows):
+        return len(rows) + sum(len(row.token_ids) - 1 for row in rows.whole.values())
     return sum(map(len, map(_TOKEN_IDS, rows)))
 
 
 def total_spec_tokens(rows: Sequence[StepRow]) -> int:
     """The rows' draft tokens in all."""
+    if isinstance(rows, StepRows):  # a steady decode row has none
+        return sum(map(_NUM_SPEC_TOKENS, rows.whole.values()))
     return sum(map(_NUM_SPEC_TOKENS, rows))
 
 
 def row_lengths(rows: Sequence[StepRow]) -> tuple[int, ...]:
     """Each row's token count."""
+    if isinstance(rows, StepRows):
+        return tuple(RowColumns.of(rows).num_tokens.tolist())
     return tuple(map(len, map(_TOKEN_IDS, rows)))
 
 
-def _logits_indices(rows: Sequence[StepRow], qsl: np.ndarray, num_logits: int) -> np.ndarray:
-    """Each row's last 1 + num_spec_tokens token indices, in row order; padding repeats
-    the last real token (its logits are never read)."""
-    n = len(rows)
+def _fill_tokens(tokens: np.ndarray, rows: Sequence[StepRow], qsl: np.ndarray, total: int) -> None:
+    """The rows' token ids into `tokens` `[T]` (zeroed). A `StepRows`' steady decode rows
+    hold a placeholder (0) only: just its whole rows are written."""
+    if isinstance(rows, StepRows):
+        for i, row in rows.whole.items():
+            tokens[qsl[i] : qsl[i + 1]] = row.token_ids
+        return
+    tokens[:total] = np.fromiter(
+        itertools.chain.from_iterable(map(_TOKEN_IDS, rows)), np.int32, total
+    )
+
+
+def _logits_indices(num_spec: np.ndarray, qsl: np.ndarray, num_logits: int) -> np.ndarray:
+    """Each row's last 1 + num_spec_tokens token indices (`num_spec` `[n]`), in row
+    order; padding repeats the last real token (its logits are never read)."""
+    n = len(num_spec)
     out = np.full(num_logits, max(int(qsl[n]) - 1, 0), np.int32)
-    counts = 1 + np.fromiter(map(_NUM_SPEC_TOKENS, rows), np.int64, n)
+    counts = 1 + num_spec
     total = int(counts.sum())
     assert total <= num_logits, (total, num_logits)
     firsts = np.cumsum(counts) - counts  # each row's first logits row
@@ -315,9 +332,9 @@ def pack_micro_batches(
         token_index[offset : offset + n] = g * micro.num_tokens + np.arange(n)
         offset += n
         sizes.append(n)
-    lens = np.fromiter(map(len, map(_TOKEN_IDS, rows)), np.int64, len(rows))
-    qsl = np.concatenate([[0], np.cumsum(lens)])
-    logits_indices = _logits_indices(rows, qsl, shape.logits_rows)
+    cols = RowColumns.of(rows, with_samples=False)
+    qsl = np.concatenate([[0], np.cumsum(cols.num_tokens)])
+    logits_indices = _logits_indices(cols.num_spec_tokens, qsl, shape.logits_rows)
     return np.concatenate([*parts, token_index, logits_indices]), sizes
 
 

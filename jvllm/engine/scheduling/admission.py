@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from jvllm.config import SchedulerConfig
 from jvllm.engine.kv.kv_cache_manager import KVCacheManager, cdiv
 from jvllm.engine.request import Request, RequestStatus
-from jvllm.engine.step_io import ScheduledRequest
+from jvllm.engine.step_io import StepRows
 
 # Steps of fewer tokens are not cut to a bucket: their cost is reading the weights, a few
 # padded tokens more or less change little, and the cut would delay a first token.
@@ -33,11 +33,10 @@ class ScheduleStep:
     """What one `schedule()` call has decided so far."""
 
     budget: int
-    rows: list[ScheduledRequest] = field(default_factory=list)
-    # Request id -> its computed tokens before this step (its row's start position).
+    rows: StepRows
+    # Request id -> its computed tokens before this step (its row's start position), for
+    # the rows that are not steady decode rows.
     starts: dict[str, int] = field(default_factory=dict)
-    # Request id -> its row, for the rows that sample.
-    sampling_rows: dict[str, int] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)

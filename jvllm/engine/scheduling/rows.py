@@ -1,16 +1,19 @@
 """The running requests' rows of a step: decode rows, their draft tokens and placeholders.
 
 Owns `_schedule_running` (one row per running request, in order, until the token budget
-or the free blocks run out: the overlapped decode row whose token is still on the device,
-prompt chunks, and decode rows carrying speculative draft tokens as lookahead slots),
-`_lookahead` (how many drafts a row verifies) and `_add_row` (one `ScheduledRequest`,
-the request's counters advanced). `Scheduler` mixes this in; preemption and admission are
-`admission.py`'s, the step protocol and committing sampled tokens `scheduler.py`'s.
+or the free blocks run out: the steady decode row whose token is still on the device,
+kept as columns of `StepRows`; prompt chunks, and decode rows carrying speculative
+draft tokens as lookahead slots), `_lookahead` (how many drafts a row verifies) and
+`_add_row` (one `ScheduledRequest`, the request's counters advanced). `Scheduler`
+mixes this in; preemption and admission are `admission.py`'s, the step protocol and
+committing sampled tokens `scheduler.py`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import numpy as np
 
 from jvllm.config import SchedulerConfig
 from jvllm.engine.kv.kv_cache_manager import KVCacheManager
@@ -25,8 +28,9 @@ class RunningRows:
     scheduler_config: SchedulerConfig
     kv_cache_manager: KVCacheManager
     running: list[Request]
-    # Request id -> its sampling row in the previous step (for `prev_step_row`).
-    _sampling_rows: dict[str, int]
+    # [table rows] int64: each block-table row's sampling row in the previous step
+    # (-1: none), for `prev_step_row` (`Scheduler.schedule` renews it every step).
+    _previous_rows: np.ndarray
     _unit_at: Callable[[int], list[Request]]
     _reaches_length_limit: Callable[[Request], bool]
     _schedule_unit: Callable[[ScheduleStep, list[Request], list[Request]], bool]
@@ -34,8 +38,11 @@ class RunningRows:
 
     def _schedule_running(self, step: ScheduleStep) -> None:
         running, kv, rows = self.running, self.kv_cache_manager, step.rows
-        previous_rows, table_rows = self._sampling_rows, kv.table_array.row_of
-        tables, sampling_rows, starts = kv.block_tables, step.sampling_rows, step.starts
+        table_rows = kv.table_array.row_of
+        # A steady decode row is three columns of `StepRows`, no `ScheduledRequest`; its
+        # previous row comes from `_previous_rows` when the rows are sealed.
+        add_request, add_start = rows.requests.append, rows.starts.append
+        add_table_row = rows.table_rows.append
         index = 0
         while index < len(running) and step.budget > 0:
             request = running[index]
@@ -62,27 +69,17 @@ class RunningRows:
                 if num_tokens >= request.max_num_tokens:
                     continue
                 if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
-                    # The overlapped decode row (most rows of most steps): its one token
+                    # The steady decode row (most rows of most steps): its one token
                     # is the one the previous step samples, still on the device.
                     if not (
                         kv.allocate_slot(request) or self._allocate(step, request, 1, [request])
                     ):
                         return
-                    request_id = request.request_id
-                    sampling_rows[request_id] = len(rows)
-                    rows.append(  # positional: keywords cost a dict per row
-                        ScheduledRequest(
-                            request_id,
-                            [PLACEHOLDER_TOKEN],
-                            computed,
-                            tables[request_id],
-                            True,  # samples
-                            previous_rows[request_id],  # prev_step_row
-                            0,  # num_spec_tokens
-                            table_rows[request_id],  # table_row
-                        )
-                    )
-                    starts[request_id] = computed
+                    # (No `step.starts` entry: only a fork source's is read, whose
+                    # prompt is computed before and after this row.)
+                    add_request(request)
+                    add_start(computed)
+                    add_table_row(table_rows[request.request_id])
                     step.budget -= 1
                     request.num_output_placeholders = 2
                     request.num_computed_tokens = computed + 1
@@ -130,7 +127,10 @@ class RunningRows:
             # The one token of this row is still on the device: the previous step sampled it.
             assert num_new == 1 and placeholders == 1, request
             token_ids = [PLACEHOLDER_TOKEN]
-            prev_step_row = self._sampling_rows[request_id]
+            prev_step_row = int(
+                self._previous_rows[self.kv_cache_manager.table_array.row(request_id)]
+            )
+            assert prev_step_row >= 0, request
         else:
             token_ids = request.get_token_ids(start, end)
         samples = end == num_tokens + placeholders
@@ -140,23 +140,20 @@ class RunningRows:
         if drafts:
             num_spec = len(drafts)
             token_ids = token_ids + drafts
-        rows = step.rows
         if samples:
-            step.sampling_rows[request_id] = len(rows)
             request.num_output_placeholders = placeholders + 1
         kv = self.kv_cache_manager
-        rows.append(
-            ScheduledRequest(
-                request_id,
-                token_ids,
-                start,
-                kv.block_tables[request_id],
-                samples,
-                prev_step_row,
-                num_spec,
-                kv.table_array.row(request_id),
-            )
+        row = ScheduledRequest(
+            request_id,
+            token_ids,
+            start,
+            kv.block_tables[request_id],
+            samples,
+            prev_step_row,
+            num_spec,
+            kv.table_array.row(request_id),
         )
+        step.rows.add(row, request)
         step.starts[request_id] = start
         step.budget -= num_new + num_spec
         request.num_computed_tokens = end + num_spec

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from jvllm.config import CacheConfig, SchedulerConfig
 from jvllm.engine.kv.hybrid_kv_cache_manager import new_kv_cache_manager
 from jvllm.engine.kv.kv_cache_manager import cdiv
@@ -37,7 +39,7 @@ from jvllm.engine.metrics import SchedulerStats
 from jvllm.engine.request import Request, RequestStatus
 from jvllm.engine.scheduling.admission import Admission, ScheduleStep
 from jvllm.engine.scheduling.rows import RunningRows
-from jvllm.engine.step_io import SchedulerOutput
+from jvllm.engine.step_io import SchedulerOutput, StepRows
 
 
 class Scheduler(Admission, RunningRows):
@@ -77,8 +79,9 @@ class Scheduler(Admission, RunningRows):
         self._num_beams = 0  # of those, beams of beam searches
         self._pending_steps: deque[int] = deque()  # step ids scheduled, not yet committed
         self._next_step_id = 0
-        # Request id -> its row in the latest step, for rows that sample.
-        self._sampling_rows: dict[str, int] = {}
+        # [table rows] int64: each block-table row's sampling row in the latest step
+        # (-1: none), for the next step's rows that feed back its samples.
+        self._previous_rows = np.full(1, -1, np.int64)
         self._num_preemptions = 0
         self._num_swapped_out_blocks = 0
         self._num_swapped_in_blocks = 0
@@ -96,7 +99,8 @@ class Scheduler(Admission, RunningRows):
 
     def schedule(self) -> SchedulerOutput:
         assert len(self._pending_steps) <= 1, "commit the step before the last one first"
-        step = ScheduleStep(budget=self.scheduler_config.max_num_batched_tokens)
+        kv = self.kv_cache_manager
+        step = ScheduleStep(self.scheduler_config.max_num_batched_tokens, StepRows(kv.block_tables))
         self._schedule_running(step)
         # A step that had to preempt has no blocks to spare for newcomers.
         if not step.preempted_ids and not (self.is_static and self.running):
@@ -104,7 +108,7 @@ class Scheduler(Admission, RunningRows):
             if not self.swapped:
                 self._schedule_waiting(step)
         offloads, onloads = self.kv_cache_manager.take_host_copies()
-        self._sampling_rows = step.sampling_rows
+        self._previous_rows = self._seal(step.rows)
         step_id, self._next_step_id = self._next_step_id, self._next_step_id + 1
         self._pending_steps.append(step_id)
         return SchedulerOutput(
@@ -118,6 +122,20 @@ class Scheduler(Admission, RunningRows):
             block_tables=self.kv_cache_manager.table_array.array,
         )
 
+    def _seal(self, rows: StepRows) -> np.ndarray:
+        """Takes the step's columns (its steady rows' previous rows from the last step's
+        map); returns this step's map: each table row's sampling row (-1: none)."""
+        num_table_rows = len(self.kv_cache_manager.table_array.array)
+        previous = self._previous_rows  # [table rows then]
+        if len(previous) < num_table_rows:  # the table array grew: new rows had no row
+            missing = np.full(num_table_rows - len(previous), -1, np.int64)
+            previous = np.concatenate([previous, missing])
+        columns = rows.seal(previous)
+        latest = np.full(num_table_rows, -1, np.int64)  # [table rows]
+        sampling = np.flatnonzero(columns.samples & (columns.table_rows >= 0))
+        latest[columns.table_rows[sampling]] = sampling
+        return latest
+
     def update_from_output(
         self,
         output: SchedulerOutput,
@@ -130,38 +148,48 @@ class Scheduler(Admission, RunningRows):
         kept, then the token it sampled after them.
 
         A request preempted since the step was scheduled keeps its token (the step did
-        compute it); one finished since then is gone and its row is ignored.
+        compute it); one finished since then is gone and its row is ignored. Steady
+        decode rows (`StepRows`' columns) are read as their requests alone.
         """
         assert self._pending_steps.popleft() == output.step_id, "steps commit in order"
-        assert len(sampled) >= len(output.scheduled), (len(sampled), len(output.scheduled))
-        kv, block_size, requests = self.kv_cache_manager, self.block_size, self._requests
-        for row, token in zip(output.scheduled, sampled, strict=False):
-            if not row.samples:
+        rows = output.scheduled
+        assert isinstance(rows, StepRows), type(rows)
+        assert len(sampled) >= len(rows), (len(sampled), len(rows))
+        kv, block_size, whole = self.kv_cache_manager, self.block_size, rows.whole
+        running = RequestStatus.RUNNING
+        for i, (request, token) in enumerate(zip(rows.requests, sampled, strict=False)):
+            row = whole.get(i) if whole else None  # None: a steady decode row
+            status = request.status
+            if status is not running and status.is_finished:
+                continue  # finished since the step was scheduled: its row is dropped
+            if row is None:  # one token, sampled: the placeholder becomes it
+                request.num_output_placeholders -= 1
+                outputs = request.output_token_ids
+                outputs.append(token)
+                # One more known token completes a block only at a block boundary.
+                known = len(request.prompt_token_ids) + len(outputs)
+                if known % block_size == 0 and status is running:
+                    kv.cache_full_blocks(request)
                 continue
-            request = requests.get(row.request_id)
-            if request is None:
+            if not row.samples:
                 continue
             assert request.num_output_placeholders > 0, (request, row)
             request.num_output_placeholders -= 1
             if request.beam_group is not None:
                 # Its group picks the next token from the row's candidates (replace_beams).
-                request.awaiting_selection = request.status is RequestStatus.RUNNING
+                request.awaiting_selection = status is running
                 continue
             if row.num_spec_tokens:
                 assert verified is not None, row
                 tokens = verified[row.request_id]
                 assert 1 <= len(tokens) <= row.num_spec_tokens + 1, (row, tokens)
                 request.output_token_ids += tokens
-                if request.status is RequestStatus.RUNNING:
+                if status is running:
                     # The rejected drafts' K/V count no more; later steps overwrite it.
                     request.num_computed_tokens -= row.num_spec_tokens + 1 - len(tokens)
             else:
-                outputs = request.output_token_ids
-                outputs.append(token)
-                # One more known token completes a block only at a block boundary.
-                if (len(request.prompt_token_ids) + len(outputs)) % block_size:
-                    continue
-            if request.status is RequestStatus.RUNNING:
+                request.output_token_ids.append(token)
+            if status is running:
                 kv.cache_full_blocks(request)  # blocks completed by a now-known token
 
     def replace_beams(
