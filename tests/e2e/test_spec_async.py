@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from jvllm import LLM, SamplingParams
+from jvllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.e2e.test_eagle import (
     DRAFT_PROMPTS,
     K,
@@ -20,6 +20,7 @@ from tests.e2e.test_eagle import (
 )
 
 # Budget 16 chunks the longer prompts; 9 blocks of 16 force preemptions.
+SMALL = dict(max_model_len=128, max_num_seqs=6, max_num_batched_tokens=32)
 ENGINE = dict(
     max_model_len=96, max_num_seqs=6, max_num_batched_tokens=16, num_gpu_blocks_override=9
 )
@@ -90,13 +91,18 @@ def test_eagle_with_async_scheduling_overlaps_commits_and_decodes_as_plain(tiny)
 
 
 def test_eagle_seeded_and_stopped_outputs_equal_the_synchronous_order(tiny):
-    """Seeded sampling (rejection sampler) and stop strings: the same tokens with async
-    scheduling on as off, with the speculation counters of the same steps."""
+    """Seeded sampling (rejection sampler), stop strings and a ban: the same
+    tokens with async scheduling on as off."""
     target, head = tiny
     config = {"method": "eagle", "model": head, "num_speculative_tokens": K}
     params = [
         SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(4)
     ] + [SamplingParams(temperature=0.0, max_tokens=16, stop=[w]) for w in ("w5", "w6")]
+    # A multi-word ban (it reads the newest token, which the scheduler has) beside them.
+    params.append(
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, bad_words=["w5 w6"])
+    )
+    prompts = DRAFT_PROMPTS + DRAFT_PROMPTS[:1]
     # Chunked prefill; blocks enough that no request is preempted (a preempted
     # request's drafts start over, so seeded draws depend on when it happens).
     engine = dict(max_model_len=96, max_num_seqs=6, max_num_batched_tokens=32)
@@ -104,7 +110,7 @@ def test_eagle_seeded_and_stopped_outputs_equal_the_synchronous_order(tiny):
     for overlap in (True, False):
         llm = LLM(target, speculative_config=config, async_scheduling=overlap, **engine)
         assert llm.llm_engine.async_scheduling is overlap
-        got = llm.generate(DRAFT_PROMPTS, params, use_tqdm=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
         outs[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got]
         m = llm.get_metrics()
         assert m["spec_decode_num_drafts"] > 0 and m["num_preemptions"] == 0
@@ -112,3 +118,40 @@ def test_eagle_seeded_and_stopped_outputs_equal_the_synchronous_order(tiny):
         del llm
     assert outs[True] == outs[False]
     assert any(reason == "stop" for _, reason in outs[True])
+    banned = outs[True][6][0]
+    assert not any(banned[i : i + 2] == [5, 6] for i in range(len(banned)))
+
+
+def test_grammar_rows_beside_speculating_rows_commit_the_step_before_first(
+    checkpoints, monkeypatch
+):
+    """n-gram drafts beside rows with a grammar (no drafts; their next mask needs the
+    step before committed, so that step commits before the next sampler): the same
+    outputs with async scheduling on as off, every output of the grammar."""
+    from jvllm.engine import spec_step
+    from tests.helpers import prompts, token_prompts
+
+    firsts: list[bool] = []
+    needs = spec_step._needs_commit_first
+
+    def recording(*args):
+        firsts.append(needs(*args))
+        return firsts[-1]
+
+    monkeypatch.setattr(spec_step, "_needs_commit_first", recording)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    choice = StructuredOutputsParams(choice=["alpha beta gamma", "delta"])
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 4
+    params += [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=choice)] * 2
+    ps = token_prompts(prompts(seed=5)[:6])
+    outs = {}
+    for overlap in (True, False):
+        llm = LLM(
+            str(checkpoints["llama"]), speculative_config=ngram, async_scheduling=overlap, **SMALL
+        )
+        outs[overlap] = [o.outputs[0] for o in llm.generate(ps, params, use_tqdm=False)]
+        assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+        del llm
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert all(o.text in choice.choice for o in outs[True][4:])
+    assert any(firsts)
