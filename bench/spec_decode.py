@@ -6,12 +6,13 @@ fixed output length (ignore_eos), so each configuration emits the same tokens
 n-gram lookup, a draft model (the demo drafting for itself: every greedy draft kept, the
 ceiling), the shipped EAGLE-1, EAGLE-3 and Medusa heads, and DeepSeek-V3's MTP layer
 on a tiny random V3 (`jvllm.testing.mtp`, its own no-speculation baseline; its drafts
-are random, so only its overhead means anything). Speculation runs with async
-scheduling off (the engine switches it off while speculating); a device proposer's
-drafts stay on the device until the step verifying them is queued, and with
-`--host-wait` each such method runs again as "<method>_host_wait", the host reading
-every proposal at once (the engine's `Speculator.wait_for_proposals`), on the same
-engine with its repeats interleaved. One engine per
+are random, so only its overhead means anything). Each speculating method runs with
+async scheduling off ("<method>") and on ("<method>_overlap": the output processor
+commits step N while step N + 1 runs, `engine/spec_step.py`) on the same engine, their
+repeats interleaved; a device proposer's drafts stay on the device until the step
+verifying them is queued, and with `--host-wait` each such method runs again as
+"<method>_host_wait" (async off), the host reading every proposal at once (the
+engine's `Speculator.wait_for_proposals`), on that engine too. One engine per
 configuration serves every concurrency: at concurrency c, c requests are in flight
 together. Reported: output tok/s (median of the repeats), the acceptance rate
 (accepted / drafted tokens), the mean accepted length per verifying row (accepted
@@ -119,6 +120,8 @@ def method_configs(
             out[m] = (with_shipped_head(spec, demo), False)
         elif m != "mtp":
             raise SystemExit(f"--methods: {m!r} is not one of {METHODS}")
+        if m in out:  # a speculating method: async scheduling on too
+            out[f"{m}_overlap"] = out[m]
         if host_wait and m in ("draft", "eagle", "eagle3", "medusa"):
             out[f"{m}_host_wait"] = out[m]
     return out
@@ -152,24 +155,26 @@ def run_configs(
     outputs: dict[int, dict[str, list]] = {c: {} for c in concurrency}
     top = max(concurrency)
     for name, (spec, overlap) in configs.items():
-        if name.endswith("_host_wait"):
-            continue
+        if name.endswith("_host_wait") or (spec is not None and name.endswith("_overlap")):
+            continue  # a variant run on its method's engine
         llm = LLM(
             model,
             speculative_config=spec,
             async_scheduling=overlap,
             **{**engine_args, "max_num_seqs": top},
         )
-        variants = [name] + [f"{name}_host_wait"] * (f"{name}_host_wait" in configs)
+        suffixes = ("_overlap", "_host_wait") if spec is not None else ()
+        variants = [name] + [f"{name}{s}" for s in suffixes if f"{name}{s}" in configs]
         for c in concurrency:  # warm-up: every shape the workload uses
             timed_run(llm, prompts[:c], 8)
         for c in concurrency:
             rs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
             for _ in range(args.repeats):
                 for variant in variants:  # the host reads each proposal at once, or not
-                    wait = variant.endswith("_host_wait")
-                    if wait or len(variants) > 1:
-                        llm.llm_engine.speculator.wait_for_proposals = wait
+                    if len(variants) > 1:  # between runs: nothing in flight
+                        engine = llm.llm_engine
+                        engine.speculator.wait_for_proposals = variant.endswith("_host_wait")
+                        engine.async_scheduling = overlap or variant.endswith("_overlap")
                     rs[variant].append(timed_run(llm, prompts[:c], args.max_tokens))
             for variant, vs in rs.items():
                 got = [r.pop("outputs") for r in vs]
@@ -183,7 +188,7 @@ def run_configs(
                     acceptance_rate=vs[0]["acceptance_rate"],
                     mean_accepted_length=vs[0]["mean_accepted_length"],
                     speculative_config=spec,
-                    async_scheduling=overlap,
+                    async_scheduling=overlap or variant.endswith("_overlap"),
                     drafts_read_at_once=variant.endswith("_host_wait"),
                 )
         del llm
@@ -218,6 +223,7 @@ def main(argv: list[str]) -> None:
             v3, v3_prompts = mtp_target(Path(tmp))
             mtp = {"none": (None, False)}
             mtp["mtp"] = ({"method": "deepseek_mtp", "num_speculative_tokens": 3}, False)
+            mtp["mtp_overlap"] = mtp["mtp"]
             engine = dict(max_model_len=256, max_num_batched_tokens=256, dtype="float32")
             got = run_configs(v3, mtp, v3_prompts, concurrency, args, engine)
         runs.update({f"{k}_tiny_v3": v for k, v in got.items()})

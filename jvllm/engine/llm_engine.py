@@ -12,9 +12,9 @@ With `async_scheduling` (the default) the host never sits between device steps: 
 `step()` schedules and dispatches step N + 1, then waits for step N and commits it,
 so scheduling, packing and detokenization overlap the device's work. Stop checks trail
 by one step; a row dispatched for a request that has since finished is dropped
-unseen, so no extra token is ever emitted. With speculative decoding
-(`spec_decode.py`) each step waits for the one before: the drafts come from its tokens
-(a device proposer's stay there until the next forward is queued: `spec_in_flight.py`).
+unseen, so no extra token is ever emitted. With speculative decoding (`spec_decode.py`)
+the drafts come from the step before's tokens: `spec_step.py` orders such a step (a device
+proposer's drafts stay there until the next forward is queued: `spec_in_flight.py`).
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ from jvllm.engine.request import Request
 from jvllm.engine.sampling_batch import SamplingBatch
 from jvllm.engine.scheduling.scheduler import Scheduler
 from jvllm.engine.sequence_group import SequenceGroup, SequenceState
-from jvllm.engine.spec_decode import Speculator, verify
+from jvllm.engine.spec_decode import Speculator
+from jvllm.engine.spec_step import OVERLAPPED_METHODS, overlapped_step, verify_rows
 from jvllm.engine.step_io import (
     KVTransfer,
     PendingResult,
     SamplingColumns,
-    ScheduledRequest,
     SchedulerOutput,
-    StepResult,
     StepRunner,
     StepSampling,
 )
@@ -126,8 +125,9 @@ class LLMEngine:
         self._held_outputs: list[RequestOutput] = []  # a producer's, until its KV is sent
         self.sampling_batch = SamplingBatch()  # the rows' sampling columns, by slot
         self._aborted_outputs: list[RequestOutput] = []  # returned by the next step
-        # Drafts are proposed from the tokens of the step before: no overlap.
-        self.async_scheduling = config.scheduler_config.async_scheduling and spec is None
+        self.async_scheduling = config.scheduler_config.async_scheduling and (
+            spec is None or spec.method in OVERLAPPED_METHODS  # commits trail: spec_step.py
+        )
         self._in_flight: _InFlight | None = None  # dispatched, not yet committed
         self.prompt_tokens = 0
         self.weight_version: str | int | None = None  # finish_weight_update's
@@ -281,6 +281,8 @@ class LLMEngine:
         without async scheduling, this one), and returns the outputs of every request
         that progressed, as its `output_kind` asks (cumulative by default, as vLLM's),
         or with `final_only` just those that finished, whole (offline use)."""
+        if self.async_scheduling and self.speculator is not None:
+            return overlapped_step(self, final_only)
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
         self.output_processor.forget_candidates(sched.preempted_request_ids)
@@ -382,7 +384,7 @@ class LLMEngine:
         rows = flight.sched.scheduled
         sampled = SampledRows(range(len(rows)), None)
         if self.speculator is not None and any(row.num_spec_tokens for row in rows):
-            sampled = self._verify(rows, result)
+            sampled = verify_rows(self.speculator, rows, flight.states, result)
         tokens = result.token_ids.tolist()  # one conversion, not one per row
         if sampled.verified is not None:  # row i's token is at its first sampling row
             tokens = [tokens[a] for a in sampled.at]
@@ -405,20 +407,6 @@ class LLMEngine:
                 self.speculator.forget(request_id)
         for beams in commit.continuations:
             self.scheduler.replace_beams(beams.parents, beams.children)
-
-    def _verify(self, rows: Sequence[ScheduledRequest], result: StepResult) -> SampledRows:
-        """Each row's first sampling row, and what the rows with drafts emit."""
-        assert self.speculator is not None
-        at, verified, next_at = [], {}, 0
-        for row in rows:
-            at.append(next_at)
-            k = row.num_spec_tokens
-            if k and row.samples:
-                drawn = result.token_ids[next_at : next_at + 1 + k]
-                verified[row.request_id] = emitted = verify(row.token_ids[-k:], drawn)
-                self.speculator.observe(k, emitted)
-            next_at += 1 + k
-        return SampledRows(at, verified)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block (device and host tier); False, and nothing done,

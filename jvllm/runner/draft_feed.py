@@ -12,9 +12,9 @@ token (`input_batch.unpack`). Not owned: which drafts a row takes (the scheduler
 which proposal row holds a request's drafts (the engine's `spec_in_flight`), the
 proposal program itself (`drafter.py`, `step_programs.py`).
 
-Only with async scheduling off (as speculation runs): no row of such a step feeds
-back the previous step's samples, so `last_sampled` is free until its sampler
-replaces it.
+No row of a speculating step feeds back the previous step's samples (the scheduler
+has them before it schedules the step, with async scheduling too: `engine/spec_step.py`),
+so `last_sampled` is free until its sampler replaces it.
 """
 
 from __future__ import annotations

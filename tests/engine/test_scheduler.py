@@ -246,6 +246,19 @@ def test_update_skips_requests_finished_in_between():
     assert a.output_token_ids == [] and b.output_token_ids == [5]
 
 
+def test_known_tokens_that_end_a_request_by_length_get_no_row():
+    """Speculation's async order commits a step (the engine's length check) after the
+    next is scheduled: a request whose known tokens reach max_tokens or max_model_len
+    gets no row meanwhile; one with room left does."""
+    scheduler = _scheduler(max_model_len=16)
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    _add(scheduler, "b", [4] * 14)
+    _add(scheduler, "c", [5, 6])
+    _step(scheduler)  # the prompts: one token each
+    _step(scheduler)  # a: 2 outputs (max_tokens); b: 16 tokens (max_model_len)
+    assert set(_rows(scheduler.schedule())) == {"c"}
+
+
 def test_stats_report_live_tokens_and_slots():
     scheduler = _scheduler(num_blocks=11)
     _add(scheduler, "a", list(range(12)))

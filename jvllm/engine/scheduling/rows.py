@@ -84,6 +84,10 @@ class RunningRows:
                     request.num_output_placeholders = 2
                     request.num_computed_tokens = computed + 1
                     continue
+            elif num_tokens >= request.max_num_tokens and request.output_token_ids:
+                # Its sampled tokens end it by length, the commit saying so still to come
+                # (speculation's commit trails the next step's scheduling: spec_step.py).
+                continue
             num_new = min(num_tokens - computed, step.budget)
             drafts = (
                 self._lookahead(request, num_new, step.budget) if request.spec_token_ids else []
