@@ -13,6 +13,7 @@ from typing import Any
 
 from jvllm.models.loader import LoadedModel, load_model
 from jvllm.models.weight_layout import process_weights_after_loading, transposes_weights
+from jvllm.tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("jvllm")
 
@@ -40,18 +41,22 @@ def load_draft(
     check_draft_length(path, draft, max_model_len)
     if transposes_weights(draft.spec, mesh):
         draft = process_weights_after_loading(draft)
-    if any(Path(path).glob("tokenizer*")):
-        from transformers import AutoTokenizer
-
-        ours = AutoTokenizer.from_pretrained(path).get_vocab()
-        theirs = AutoTokenizer.from_pretrained(target_tokenizer).get_vocab()
-        if ours != theirs:
-            raise ValueError(
-                f"speculative_config model {path!r}: its tokenizer maps tokens to other ids "
-                "than the target's; a draft model must share the target's tokenizer"
-            )
+    check_draft_tokenizer(path, target_tokenizer)
     logger.info("Draft model: %s (%.1f MiB)", path, draft.weight_bytes / 2**20)
     return draft
+
+
+def check_draft_tokenizer(path: str, target_tokenizer: str) -> None:
+    """Where the draft has a tokenizer, it must give every token the target's id."""
+    if not any(Path(path).glob("tokenizer*")):
+        return
+    ours = load_tokenizer(path).get_vocab()
+    theirs = load_tokenizer(target_tokenizer).get_vocab()
+    if ours != theirs:
+        raise ValueError(
+            f"speculative_config model {path!r}: its tokenizer maps tokens to other ids "
+            "than the target's; a draft model must share the target's tokenizer"
+        )
 
 
 def check_draft_length(path: str, draft: LoadedModel, max_model_len: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ _GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3"})
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
+# Transformers resolves its names lazily on first use; two threads doing that at once can
+# see a half-imported module ("cannot import name 'AutoTokenizer'"): the engine loads the
+# tokenizer on a thread while the main thread loads a draft model, which checks its
+# tokenizer too. Tokenizers load one at a time.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
 def load_tokenizer(path: str) -> Any:
     """The checkpoint's tokenizer, as `AutoTokenizer.from_pretrained` loads it.
 
@@ -30,13 +38,14 @@ def load_tokenizer(path: str) -> Any:
     own), that class is loaded directly: AutoTokenizer's import also imports torch,
     seconds of a start that serving never uses."""
     try:
-        if _loads_generic_tokenizer(Path(path)):
-            from transformers import PreTrainedTokenizerFast
+        with _TRANSFORMERS_LOCK:
+            if _loads_generic_tokenizer(Path(path)):
+                from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        from transformers import AutoTokenizer
+                return PreTrainedTokenizerFast.from_pretrained(path)
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+            return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
 

@@ -94,3 +94,36 @@ def test_direct_load_does_not_import_torch(checkpoints: dict[str, Path]) -> None
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+_CONCURRENT = """
+import threading
+from jvllm.demo import DEMO_MODEL_DIR
+from jvllm.draft_models import check_draft_tokenizer
+from jvllm.tokenizer_loading import load_tokenizer
+
+demo, errors = str(DEMO_MODEL_DIR), []
+
+def run(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:
+        errors.append(repr(e))
+
+threads = [
+    threading.Thread(target=run, args=(load_tokenizer, demo)),
+    threading.Thread(target=run, args=(check_draft_tokenizer, demo, demo)),
+]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+"""
+
+
+def test_a_draft_tokenizer_checked_while_the_engine_loads_its_own():
+    """The engine loads its tokenizer on a thread while the main thread loads a draft model,
+    whose tokenizer is checked too: Transformers' first imports from two threads at once
+    failed ("cannot import name ...") before tokenizers loaded one at a time."""
+    subprocess.run([sys.executable, "-c", _CONCURRENT], check=True, timeout=300)
