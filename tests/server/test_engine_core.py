@@ -252,6 +252,8 @@ def test_api_servers_balance_on_the_coordinators_one_view(env):
 def test_abort_frees_every_engines_blocks(env):
     url = env.server.url
     body = {"prompt": env.prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # Requests an earlier test aborted may still be generating on a busy machine.
+    assert idle_engines(url) == ({"0": 0.0, "1": 0.0}, {"0": 0.0, "1": 0.0})
     prompt_before = engine_samples(url, "vllm:prompt_tokens_total")
     generated_before = sum(engine_samples(url, "vllm:generation_tokens_total").values())
     # Two streams open at once, so that the balancer puts them on different engines.
