@@ -84,8 +84,7 @@ def test_auto_binding_puts_xla_and_python_on_their_cores():
     compute, python = usable[:-1], usable[-1:]
     assert bound["binding"] == [compute, python]
     # XLA's pool took the compute cores; a thread started afterwards gets the reserved one.
-    expected = f"{compute[0]}-{compute[-1]}" if len(compute) > 1 else str(compute[0])
-    assert bound["pool"] == [expected]
+    assert [list(parse_cpu_list(cores)) for cores in bound["pool"]] == [compute]
     assert bound["later"] == python
     # A backend already running is left alone (its pool was sized without the binding).
     late = _probe(started=True)
