@@ -16,18 +16,24 @@ import zmq
 from jvllm.engine.core.connection import ConnectionWatch, with_heartbeat
 
 
+def _next_event(watch: ConnectionWatch, deadline: float) -> bool:
+    """Blocks until the watch's monitor has an event queued (False: the deadline came)."""
+    left = deadline - time.monotonic()
+    return left > 0 and bool(watch._monitor.poll(int(left * 1000) + 1))
+
+
 def lost_within(watch: ConnectionWatch, seconds: float) -> str | None:
     deadline = time.monotonic() + seconds
-    while watch.lost() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while watch.lost() is None and _next_event(watch, deadline):
+        pass  # the loop's lost() takes the event
     return watch.lost()
 
 
 def events_within(watch: ConnectionWatch, count: int, seconds: float) -> bool:
     """Whether the watch took `count` monitor events (accepts and closes) in time."""
     deadline = time.monotonic() + seconds
-    while watch.lost() is None and watch._events < count and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while watch.lost() is None and watch._events < count and _next_event(watch, deadline):
+        pass
     return watch._events >= count
 
 
