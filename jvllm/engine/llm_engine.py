@@ -289,15 +289,7 @@ class LLMEngine:
         self._queue_block_moves(sched)
         previous, self._in_flight = self._in_flight, None
         if sched.scheduled:
-            # The rows' states, before a commit below can retire one of them.
-            prepared = self._prepare(sched)
-            if self.lora_slots is not None:  # the step's adapters into the device slots
-                sched = self.lora_slots.assign_slots(sched, prepared.states)
-            if self.mm_processor is not None:  # the images the rows cover, for the encoder
-                sched = with_mm_features(sched, self.scheduler.running)
-            if self.speculator is not None:  # drafts still on the device
-                sched = self.speculator.feed(sched)
-            self.runner.forward(sched)
+            sched, prepared = self._forward(sched)
             if previous is not None and self.output_processor.needs_previous_tokens(
                 sched.scheduled
             ):
@@ -314,6 +306,19 @@ class LLMEngine:
             assert launched is not None
             outputs += self._commit(launched, final_only)
         return self._once_sent(outputs)
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, _Prepared]:
+        """Queues the step's forward: the rows' states taken first (before a commit can
+        retire one), then the step's adapters, images and device drafts added."""
+        prepared = self._prepare(sched)
+        if self.lora_slots is not None:  # the step's adapters into the device slots
+            sched = self.lora_slots.assign_slots(sched, prepared.states)
+        if self.mm_processor is not None:  # the images the rows cover, for the encoder
+            sched = with_mm_features(sched, self.scheduler.running)
+        if self.speculator is not None:  # drafts still on the device
+            sched = self.speculator.feed(sched)
+        self.runner.forward(sched)
+        return sched, prepared
 
     def _once_sent(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A disaggregated prefill's producer answers once its requests' KV blocks are

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from jvllm.engine.beam_search import Beam
-from jvllm.engine.multimodal import with_mm_features
 from jvllm.engine.output_processor import SampledRows
 from jvllm.engine.sequence_group import SequenceState
 from jvllm.engine.spec_decode import Speculator, StepSequence, verify
@@ -61,14 +60,7 @@ def overlapped_step(engine: LLMEngine, final_only: bool) -> list[RequestOutput]:
     engine.output_processor.forget_candidates(sched.preempted_request_ids)
     engine._queue_block_moves(sched)
     if sched.scheduled:
-        prepared = engine._prepare(sched)
-        if engine.lora_slots is not None:
-            sched = engine.lora_slots.assign_slots(sched, prepared.states)
-        if engine.mm_processor is not None:
-            sched = with_mm_features(sched, engine.scheduler.running)
-        assert engine.speculator is not None
-        sched = engine.speculator.feed(sched)
-        engine.runner.forward(sched)
+        sched, prepared = engine._forward(sched)
         if verdict is not None and _needs_commit_first(engine, prepared.states):
             outputs += commit_verdict(engine, verdict, final_only)  # a grammar's next mask
             verdict = None
