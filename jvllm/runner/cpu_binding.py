@@ -22,6 +22,7 @@ Not owned: XLA's allocator (`xla_allocator.py`), which is decided at the same mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -35,9 +36,6 @@ RESERVED_ENV = ("JVLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 class CpuBinding:
     compute: tuple[int, ...]  # XLA's compute pool and runtime threads
     python: tuple[int, ...]  # the calling thread and the threads it starts later
-
-
-_decided: CpuBinding | None | bool = False  # False: not decided yet
 
 
 def _env(names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -65,9 +63,11 @@ def parse_cpu_list(text: str, name: str = BIND_ENV[0]) -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def plan_binding(setting: str, usable: tuple[int, ...], reserved: int | None) -> CpuBinding | None:
-    """The binding `setting` asks for on the `usable` cores (None: leave threads alone)."""
-    name = BIND_ENV[0]
+def plan_binding(
+    setting: str, usable: tuple[int, ...], reserved: int | None, name: str = BIND_ENV[0]
+) -> CpuBinding | None:
+    """The binding `setting` (of variable `name`) asks for on the `usable` cores (None:
+    leave the threads alone)."""
     if setting == "all":
         return None
     if setting == "auto":
@@ -94,13 +94,10 @@ def plan_binding(setting: str, usable: tuple[int, ...], reserved: int | None) ->
     return CpuBinding(compute, rest or compute)
 
 
+@functools.cache
 def bind_cpu_threads() -> CpuBinding | None:
     """Applies the environment's binding before JAX's CPU backend starts; once a process
     (LLM, `jvllm serve` and an engine-core process call it before building anything)."""
-    global _decided
-    if _decided is not False:
-        return _decided  # type: ignore[return-value]
-    _decided = None
     given = _env(BIND_ENV)
     if given is None or given[1] == "all" or not hasattr(os, "sched_setaffinity"):
         return None
@@ -118,12 +115,10 @@ def bind_cpu_threads() -> CpuBinding | None:
         num = None if reserved is None else int(reserved[1])
     except ValueError:
         raise ValueError(f"{reserved[0]}={reserved[1]!r}: expected a core count") from None
-    binding = plan_binding(setting, tuple(sorted(os.sched_getaffinity(0))), num)
-    if binding is None:
-        return None
-    _start_backend_on(binding)
-    logger.info("XLA:CPU computes on cores %s, Python on %s", binding.compute, binding.python)
-    _decided = binding
+    binding = plan_binding(setting, tuple(sorted(os.sched_getaffinity(0))), num, name)
+    if binding is not None:
+        _start_backend_on(binding)
+        logger.info("XLA:CPU computes on %s, Python on %s", binding.compute, binding.python)
     return binding
 
 
