@@ -67,3 +67,13 @@ def test_without_buckets_or_alone_the_prompt_runs_whole():
     alone.add_request(Request("p", list(range(10, 140)), SamplingParams(max_tokens=4)))
     assert _tokens(alone) == {"p": 128}
     assert _tokens(alone) == {"p": 2}
+
+
+def test_after_a_cut_the_step_admits_no_more_prompts():
+    scheduler = _scheduler(BUCKETS)
+    _decoding(scheduler, 3)
+    scheduler.add_request(Request("p", list(range(10, 138)), SamplingParams(max_tokens=4)))
+    scheduler.add_request(Request("q", list(range(10, 30)), SamplingParams(max_tokens=4)))
+    # q beside the cut p would pad the step past 128 again: it waits for the next step.
+    assert _tokens(scheduler) == {"d0": 1, "d1": 1, "d2": 1, "p": 125}
+    assert _tokens(scheduler) == {"d0": 1, "d1": 1, "d2": 1, "p": 3, "q": 20}

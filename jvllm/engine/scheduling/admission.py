@@ -40,6 +40,9 @@ class ScheduleStep:
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # A first chunk was cut to end the step at the top of a token bucket: admitting more
+    # would pad it again, so the step takes no more waiting requests.
+    at_bucket_top: bool = False
 
 
 class Admission:
@@ -76,7 +79,7 @@ class Admission:
             unforked = sum(r.beam_width - 1 for r in self.running if is_unforked_beam(r))
         free_seats = self.scheduler_config.max_num_seqs - len(self.running) - unforked
         adapters = self._running_adapters()
-        while self.waiting and step.budget > 0:
+        while self.waiting and step.budget > 0 and not step.at_bucket_top:
             unit = [self.waiting.popleft()]
             while (
                 self.waiting
@@ -156,8 +159,9 @@ class Admission:
             return False
         sizes, budget = [], step.budget
         for i, request in enumerate(unit):
-            scheduled = self.scheduler_config.max_num_batched_tokens - budget
-            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i), scheduled)
+            # A unit of one may be cut to a bucket's top (a beam group is admitted whole).
+            aligns = step if len(unit) == 1 else None
+            num_new = self._take_blocks(request, budget - (len(unit) - 1 - i), aligns)
             if num_new is None:
                 for taken in unit[:i]:
                     self.kv_cache_manager.drop_unwritten(taken)
@@ -191,10 +195,13 @@ class Admission:
         cut = total - below
         return num_new - cut if scheduled < below and cut < buckets[i] - total else num_new
 
-    def _take_blocks(self, request: Request, budget: int, scheduled: int = 0) -> int | None:
-        """Take blocks for a waiting request's first chunk of at most `budget` tokens (the
-        step holds `scheduled` already) and set its computed tokens to what it shares; the
-        chunk's size, or None (nothing taken) when the free blocks do not suffice."""
+    def _take_blocks(
+        self, request: Request, budget: int, aligns: ScheduleStep | None = None
+    ) -> int | None:
+        """Take blocks for a waiting request's first chunk of at most `budget` tokens (cut
+        to end the step `aligns` at a bucket's top, `_bucket_aligned`) and set its computed
+        tokens to what it shares; the chunk's size, or None (nothing taken) when the free
+        blocks do not suffice."""
         kv = self.kv_cache_manager
         num_shared = request.num_prompt_tokens - 1
         if request.fork_source is not None and not kv.can_fork(request.fork_source, num_shared):
@@ -211,7 +218,11 @@ class Admission:
         else:
             prefix = kv.find_cached_prefix(request)
             num_shared = prefix.num_tokens
-            num_new = self._bucket_aligned(min(request.num_tokens - num_shared, budget), scheduled)
+            num_new = min(request.num_tokens - num_shared, budget)
+            if aligns is not None:
+                scheduled = self.scheduler_config.max_num_batched_tokens - aligns.budget
+                whole, num_new = num_new, self._bucket_aligned(num_new, scheduled)
+                aligns.at_bucket_top = num_new < whole
             # The static baseline reserves a whole max_model_len sequence up front.
             reserve = self.scheduler_config.max_model_len if self.is_static else 0
             if not kv.allocate_slots(request, num_new, prefix, reserve):
