@@ -61,16 +61,18 @@ _PROBE = textwrap.dedent(
 
 
 def _probe(started: bool) -> dict:
-    env = dict(os.environ, JVLLM_CPU_THREADS_BIND="auto", JAX_PLATFORMS="cpu")
-    env.pop("JVLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    # A fresh environment: what other tests of this process exported stays out.
+    keep = ("PATH", "HOME", "PYTHONPATH", "LANG", "TMPDIR", "VIRTUAL_ENV")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(JVLLM_CPU_THREADS_BIND="auto", JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [sys.executable, "-c", _PROBE.format(started=started)],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
