@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Eight CPU devices for the tensor-parallel tests; must precede jax's backend start.
@@ -21,6 +24,54 @@ from jvllm.testing import ARCHITECTURES, make_checkpoint, make_tokenizer
 # jvllm is installed; a checkout installed before the entry point existed loads it here.
 if not entry_points(group="pytest11", name="jvllm"):
     pytest_plugins = ["jvllm.testing.pytest_plugin"]
+
+
+# A worker that dies (a segmentation fault, an abort) takes its fault handler's dump with
+# it into the middle of a long log; each xdist worker writes that dump to its own file
+# instead, and the controller prints what any worker wrote at the end of the run, less
+# the test harness's frames.
+_HARNESS = ("/_pytest/", "/pluggy/", "/xdist/", "/execnet/", 'File "<string>"')
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    config = node.config
+    if not hasattr(config, "_crash_dumps"):
+        config._crash_dumps = Path(tempfile.mkdtemp(prefix="jvllm-crash-dumps-"))
+    node.workerinput["crash_dumps"] = str(config._crash_dumps)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler set-up
+def pytest_configure(config: pytest.Config) -> None:
+    dumps = getattr(config, "workerinput", {}).get("crash_dumps")
+    if dumps:
+        path = Path(dumps) / f"{config.workerinput['workerid']}-{os.getpid()}.txt"
+        config._crash_dump = path.open("w")
+        faulthandler.enable(file=config._crash_dump, all_threads=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    dump = getattr(config, "_crash_dump", None)
+    if dump is not None:  # a worker ending normally leaves no file behind
+        faulthandler.disable()
+        dump.close()
+        Path(dump.name).unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    dumps = getattr(config, "_crash_dumps", None)
+    if dumps is None:
+        return
+    for path in sorted(dumps.glob("*.txt")):
+        lines = [
+            line for line in path.read_text(errors="replace").splitlines()
+            if not line.startswith("Extension modules") and not any(h in line for h in _HARNESS)
+        ]
+        if lines:
+            terminalreporter.write_sep("=", f"a worker died: its fault handler wrote ({path.name})")
+            for line in lines[:300]:
+                terminalreporter.write_line(line[:300])
+    shutil.rmtree(dumps, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,18 @@ the sampler's paths, and logprob comparison. Transformers' greedy reference is
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
 from jvllm import SamplingParams
 from jvllm.testing.hf_runner import hf_greedy
 
-__all__ = ["approx_logprobs", "hf_greedy", "mixed_params", "prompts", "token_prompts"]
+__all__ = [
+    "approx_logprobs", "hf_greedy", "mixed_params", "prompts", "require_installed",
+    "token_prompts",
+]
 
 PROMPT_LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 150, 222, 300]
 
@@ -49,3 +54,11 @@ def approx_logprobs(positions: list | None) -> list | None:
         [(t, lp.rank, pytest.approx(lp.logprob, abs=1e-5)) for t, lp in entry.items()]
         for entry in positions
     ]
+
+
+def require_installed(name: str) -> None:
+    """Skip the calling test module unless package `name` is installed, without importing
+    it: llm-compressor patches Transformers, configures logging and loads pandas, pyarrow
+    and datasets as it imports, so the tests run it in subprocesses only."""
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed", allow_module_level=True)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from jvllm import LLM, SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, require_installed
 from tests.models.llmcompressor_checkpoints import RECIPES
 from tests.models.test_compressed_tensors import (
     ENGINE,
@@ -33,7 +33,7 @@ from tests.models.test_compressed_tensors import (
 )
 
 pytest.importorskip("compressed_tensors")
-pytest.importorskip("llmcompressor")
+require_installed("llmcompressor")
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 512  # the tests' tokenizer's; the prompts use ids 6..511

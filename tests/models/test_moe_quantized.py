@@ -27,12 +27,12 @@ import torch
 
 from jvllm import LLM, SamplingParams
 from jvllm.models.loader import load_model
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, require_installed
 from tests.models.test_forward import assert_close, hf_logits
 from tests.models.test_quantization import dequantized_copy, prompt_row
 
 pytest.importorskip("compressed_tensors")
-pytest.importorskip("llmcompressor")
+require_installed("llmcompressor")
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 8
