@@ -64,7 +64,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         return
     for path in sorted(dumps.glob("*.txt")):
         lines = [
-            line for line in path.read_text(errors="replace").splitlines()
+            line
+            for line in path.read_text(errors="replace").splitlines()
             if not line.startswith("Extension modules") and not any(h in line for h in _HARNESS)
         ]
         if lines:

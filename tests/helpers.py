@@ -13,7 +13,11 @@ from jvllm import SamplingParams
 from jvllm.testing.hf_runner import hf_greedy
 
 __all__ = [
-    "approx_logprobs", "hf_greedy", "mixed_params", "prompts", "require_installed",
+    "approx_logprobs",
+    "hf_greedy",
+    "mixed_params",
+    "prompts",
+    "require_installed",
     "token_prompts",
 ]
 

@@ -137,7 +137,12 @@ def pack_rows(
     total = int(lens.sum())
     assert total <= t_pad, (total, t_pad)
     # Every part is a view of the one buffer (`unpack`'s order): no concatenation.
-    packed = np.zeros(sum(_packed_sizes(shape)), np.int32)
+    # Zeroed but for the block tables, written below (at hundreds of rows, most of it).
+    sizes = _packed_sizes(shape)
+    tables_at = sum(sizes[:5])
+    packed = np.empty(sum(sizes), np.int32)
+    packed[:tables_at] = 0
+    packed[tables_at + s_pad * w :] = 0
     tokens, positions, slots, qsl, seq_lens, flat_tables, logits_indices, prev_index = (
         _packed_parts(packed, shape)[:8]
     )
@@ -145,13 +150,21 @@ def pack_rows(
     np.cumsum(lens, out=qsl[1 : n + 1])
     seq_lens[:n] = starts + lens
     tables = flat_tables.reshape(s_pad, w)  # [S, W]
+    tables[n:] = 0  # padding rows
     if block_tables is not None:
         # Zero past each table's end, and no table is wider than max_model_len's.
-        assert block_tables.shape[1] <= w, (block_tables.shape, w)
+        table_width = block_tables.shape[1]
+        assert table_width <= w, (block_tables.shape, w)
         table_rows = cols.table_rows
         assert (table_rows >= 0).all(), "every row needs its table_row"
-        tables[:n, : block_tables.shape[1]] = block_tables[table_rows]
+        assert (table_rows < len(block_tables)).all(), "a table_row past the tables"
+        if table_width == w:  # gathered straight into the buffer (clip: no bounce copy)
+            np.take(block_tables, table_rows, axis=0, out=tables[:n], mode="clip")
+        else:
+            tables[:n, :table_width] = block_tables[table_rows]
+            tables[:n, table_width:] = 0
     else:
+        tables[:n] = 0
         widths = np.fromiter(map(len, map(_TABLE, rows)), np.int64, n)
         assert (widths <= w).all(), (widths.max(initial=0), w)
         flat = np.fromiter(

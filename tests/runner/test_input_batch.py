@@ -80,6 +80,36 @@ def test_pack_rows_from_a_persistent_block_table_array_packs_the_same():
         assert (pack_rows(rows, shape, 8, array) == want).all()
 
 
+@pytest.mark.parametrize("tables", ["lists", "array", "narrower array"])
+def test_pack_rows_writes_every_entry_of_its_buffer(monkeypatch, tables):
+    """The buffer starts uninitialised (most of it is block tables, written anyway):
+    every entry must still be written, padding and past-the-table entries with 0."""
+    import jvllm.runner.input_batch as input_batch
+
+    rng = np.random.default_rng(3)
+    for trial in range(50):
+        rows = random_rows(rng, 8)
+        if trial % 2:
+            for r in rows:
+                r.token_ids = r.token_ids[:1]
+                r.prev_step_row = 0
+        array = None
+        if tables != "lists":
+            width = 8 if tables == "array" else 6
+            rows = [r for r in rows if len(r.block_table) <= width]
+            array = np.zeros((len(rows) + 2, width), np.int32)
+            for at, r in enumerate(rows):
+                r.table_row = at + 1
+                array[at + 1, : len(r.block_table)] = r.block_table
+        total = sum(len(r.token_ids) for r in rows)
+        shape = BatchShape(pick_bucket(max(total, 1), pow2_buckets(16, 256)), 8, 8)
+        want = pack_rows(rows, shape, 8, array)
+        with monkeypatch.context() as m:
+            m.setattr(input_batch.np, "empty", lambda size, dtype: np.full(size, -7, dtype))
+            got = pack_rows(rows, shape, 8, array)
+        assert (got != -7).all() and (got == want).all()
+
+
 def test_token_buckets_are_fine_and_end_at_the_budget():
     assert token_buckets(128) == (16, 32, 48, 64, 80, 96, 112, 128)
     buckets = token_buckets(2048)

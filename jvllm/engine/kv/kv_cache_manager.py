@@ -111,7 +111,7 @@ class KVCacheManager:
         parent = root_content_id(request.lora_int_id)
         for index in range((request.num_tokens - 1) // self.block_size):
             tokens = tuple(self._block_tokens(request, index))
-            block_hash = self._block_hash(request, index)
+            block_hash = self._block_hash(request, index, tokens)
             cached = self.block_pool.lookup(block_hash, parent, tokens)
             if cached is not None:
                 block_ids.append(cached.block_id)
@@ -218,11 +218,8 @@ class KVCacheManager:
         return source_id in self._block_tables
 
     def fork(self, source_id: str, child_id: str, num_tokens: int) -> None:
-        """Share the source's blocks covering its first `num_tokens` positions with the child.
-
-        The child writes past `num_tokens`; if that lands in a shared block,
-        `allocate_slots` gives the child its own copy first.
-        """
+        """Share the source's blocks covering its first `num_tokens` positions with the
+        child, which writes past them (into a shared block: its own copy first)."""
         assert child_id not in self._block_tables, f"{child_id} already holds blocks"
         source_table = self._block_tables[source_id]
         shared = source_table[: cdiv(num_tokens, self.block_size)]
@@ -428,7 +425,7 @@ class KVCacheManager:
         for index in range(len(content_ids), min(end, request.num_tokens) // self.block_size):
             parent = content_ids[-1] if content_ids else root_content_id(request.lora_int_id)
             tokens = tuple(self._block_tokens(request, index))
-            block_hash = self._block_hash(request, index)
+            block_hash = self._block_hash(request, index, tokens)
             content_id = self.block_pool.register(table[index], block_hash, parent, tokens)
             if content_id is None:
                 return  # hash collision: this prefix and everything after it stay uncached
@@ -442,9 +439,11 @@ class KVCacheManager:
         start, stop = index * self.block_size, (index + 1) * self.block_size
         return request.get_token_ids(start, stop) + block_mm_keys(request, start, stop)
 
-    def _block_hash(self, request: Request, index: int) -> int:
+    def _block_hash(self, request: Request, index: int, tokens: tuple | None = None) -> int:
+        """Full block `index`'s chained hash (`tokens`: its `_block_tokens`, if known)."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        while len(hashes) <= index:
+        while (at := len(hashes)) <= index:
             parent = hashes[-1] if hashes else root_hash(request.lora_int_id)
-            hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
+            block = tokens if at == index and tokens else self._block_tokens(request, at)
+            hashes.append(hash_block_tokens(parent, block))
         return hashes[index]

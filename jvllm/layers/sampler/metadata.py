@@ -16,6 +16,7 @@ those sizes in all, reuse the program warm-up compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -124,6 +125,13 @@ def make_sampling_metadata(
     histories = [_penalty_entries(special[i]) for i in penalised]
     num_history = sum(len(ids) for ids, _ in histories)
     num_penalty = max(MIN_PENALTY_ENTRIES, 1 << max(num_history - 1, 0).bit_length())
+    # Most steps bias and penalise nothing: their flat lists are all padding, shared.
+    penalty = _padding_lists(num_penalty, (np.int32, np.int32, bool), (0, -1, False))
+    if penalised:
+        penalty = tuple(a.copy() for a in penalty)
+    bias = _padding_lists(num_bias, (np.int32, np.int32, np.float32), (0, -1, 0.0))
+    if biased:
+        bias = tuple(a.copy() for a in bias)
     md = SamplingMetadata(
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
@@ -134,12 +142,12 @@ def make_sampling_metadata(
         repetition_penalty=np.ones(num_rows, np.float32),
         seeds=np.zeros(num_rows, np.uint32),
         step_index=np.zeros(num_rows, np.int32),
-        penalty_rows=np.zeros(num_penalty, np.int32),
-        penalty_token_ids=np.full(num_penalty, -1, np.int32),
-        penalty_is_output=np.zeros(num_penalty, bool),
-        bias_rows=np.zeros(num_bias, np.int32),
-        bias_token_ids=np.full(num_bias, -1, np.int32),
-        bias_values=np.zeros(num_bias, np.float32),
+        penalty_rows=penalty[0],
+        penalty_token_ids=penalty[1],
+        penalty_is_output=penalty[2],
+        bias_rows=bias[0],
+        bias_token_ids=bias[1],
+        bias_values=bias[2],
         want_logprobs=np.zeros(num_rows, bool),
         pending_output=np.zeros(num_rows, bool),
         draft_token_ids=np.full(num_rows, -1, np.int32),
@@ -150,6 +158,17 @@ def make_sampling_metadata(
     _fill_biases(md, special, biased)
     _fill_penalty_histories(md, penalised, histories)
     return md
+
+
+@functools.cache
+def _padding_lists(
+    size: int, dtypes: tuple[type, ...], fills: tuple[int | float | bool, ...]
+) -> tuple[np.ndarray, ...]:
+    """A flat list of `size` padding entries, one read-only array per field."""
+    arrays = tuple(np.full(size, fill, dtype) for dtype, fill in zip(dtypes, fills, strict=True))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
 
 
 def _fill_scalars(md: SamplingMetadata, columns: SamplingColumns) -> None:
