@@ -87,6 +87,9 @@ class Request:
         # Tokens whose K/V are in the cache or being written by a dispatched step; reset
         # to 0 when preempted by recompute (kept when swapped).
         self.num_computed_tokens = 0
+        # Decode slots left in its own last block that the KV cache manager has granted
+        # (`KVCacheManager.allocate_slot`): a steady decode row takes one without asking.
+        self.kv_room = 0
         # Tokens sampled by dispatched steps whose ids the host does not know yet
         # (overlapped scheduling): they follow output_token_ids.
         self.num_output_placeholders = 0

@@ -228,7 +228,9 @@ def test_swapped_siblings_copy_their_shared_full_blocks_once():
 def test_allocate_slot_matches_allocate_slots_one_token(caching):
     """The decode-row shortcut against the general path, on twin managers driven by the
     same random trace (admissions with shared prefixes, forks that share a partial last
-    block, decode steps, frees): the same tables, copies, counts and cache at every step."""
+    block, decode steps, frees): the same tables, copies, counts and cache at every step.
+    The shortcut's twin takes a slot of its `kv_room` instead, where it has one, as the
+    scheduler's steady rows do; that room is always in a block it alone holds."""
     rng = random.Random(7)
     twins = [KVCacheManager(60, BS, enable_prefix_caching=caching) for _ in range(2)]
     live: dict[str, list[Request]] = {}
@@ -268,13 +270,22 @@ def test_allocate_slot_matches_allocate_slots_one_token(caching):
             if a.num_computed_tokens == a.num_tokens:
                 for r in (a, b):
                     r.output_token_ids.append(token)
-            fits = (twins[0].allocate_slot(a), twins[1].allocate_slots(b, 1))
+            if a.kv_room:
+                a.kv_room -= 1
+                fits = (True, twins[1].allocate_slots(b, 1))
+            else:
+                fits = (twins[0].allocate_slot(a), twins[1].allocate_slots(b, 1))
             assert fits[0] == fits[1], (op, rid)
             if fits[0]:
                 a.num_computed_tokens += 1
                 b.num_computed_tokens += 1
         for rid in live:
             assert twins[0].get_block_table(rid) == twins[1].get_block_table(rid), (op, rid)
+            if room := live[rid][0].kv_room:  # slots before its own last block's last
+                table = twins[0].get_block_table(rid)
+                offset = live[rid][0].num_computed_tokens - (len(table) - 1) * BS
+                assert twins[0].block_pool.ref_count(table[-1]) == 1, (op, rid)
+                assert 0 <= offset and offset + room <= BS - 1, (op, rid, offset, room)
             for kv in twins:  # the persistent array row mirrors the list
                 table = kv.get_block_table(rid)
                 if table:
@@ -290,3 +301,4 @@ def test_allocate_slot_matches_allocate_slots_one_token(caching):
         for kv in twins:
             kv.free(rid)
     assert all(count == 0 for kv in twins for count in kv.block_pool.ref_counts[1:])
+    assert not any(kv._room_holders for kv in twins)  # every grant forgotten with its table

@@ -31,11 +31,12 @@ from jvllm.engine.kv.prefix import (
     root_hash,
 )
 from jvllm.engine.kv.swap_space import SwapSpace
+from jvllm.engine.kv.swapping import Swapping
 from jvllm.engine.multimodal import block_mm_keys
 from jvllm.engine.request import Request
 
 
-class KVCacheManager:
+class KVCacheManager(Swapping):
     def __init__(
         self,
         num_blocks: int,
@@ -79,6 +80,8 @@ class KVCacheManager:
         # Content ids of a request's leading full blocks that are cached (by it or others).
         self._content_ids: dict[str, list[int]] = {}
         self._blocks_to_copy: list[tuple[int, int]] = []
+        # The requests whose `kv_room` is set (`allocate_slot`), until their table changes.
+        self._room_holders: dict[str, Request] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -128,15 +131,24 @@ class KVCacheManager:
         return CachedPrefix(block_ids, content_ids, len(block_ids) * self.block_size, host_hits)
 
     def allocate_slot(self, request: Request) -> bool:
-        """`allocate_slots(request, 1)` for a decode row, its common cases in one call."""
+        """`allocate_slots(request, 1)` for a decode row, its common cases in one call.
+
+        Where the slot is in the request's own last block, which no one else holds, and
+        more of it is left before its last slot, the request's `kv_room` says how much:
+        the next that many decode rows may each take one slot of it without this call
+        (the scheduler's steady rows do). Any other change to its table or to who holds
+        that block (allocate_slots, fork, swaps, free) sets it back to 0 first."""
         table = self._block_tables.get(request.request_id)
         if self.num_lookahead_tokens or not table:
             return self.allocate_slots(request, 1)
         computed, block_size = request.num_computed_tokens, self.block_size
         offset = computed - (len(table) - 1) * block_size  # within the last block
         if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
-            if self.enable_prefix_caching and offset == block_size - 1:  # it fills it
-                self._register_full_blocks(request, table, computed + 1)
+            if offset == block_size - 1:  # it fills it
+                if self.enable_prefix_caching:
+                    self._register_full_blocks(request, table, computed + 1)
+            else:  # room left before the slot that fills it
+                self._grant_room(request, block_size - 2 - offset)
             return True  # `_fill_own_last_block`'s case: nothing allocated or copied
         if offset != block_size or not self.block_pool.num_free_blocks:
             return self.allocate_slots(request, 1)  # copy-on-write, or no block to take
@@ -146,7 +158,18 @@ class KVCacheManager:
         self.table_array.append(request.request_id, block)
         if self.enable_prefix_caching and block_size == 1:
             self._register_full_blocks(request, table, computed + 1)
+        self._grant_room(request, block_size - 2)
         return True
+
+    def _grant_room(self, request: Request, room: int) -> None:
+        if room > 0:
+            request.kv_room = room
+            self._room_holders[request.request_id] = request
+
+    def _revoke_room(self, request_id: str) -> None:
+        holder = self._room_holders.pop(request_id, None)
+        if holder is not None:
+            holder.kv_room = 0
 
     def allocate_slots(
         self,
@@ -164,6 +187,7 @@ class KVCacheManager:
         Returns False, changing nothing, when the free blocks do not suffice.
         """
         assert num_new_tokens >= 1, num_new_tokens
+        self._revoke_room(request.request_id)
         table = self._block_tables.get(request.request_id, [])
         ahead = 0
         if self.num_lookahead_tokens:
@@ -221,6 +245,7 @@ class KVCacheManager:
         """Share the source's blocks covering its first `num_tokens` positions with the
         child, which writes past them (into a shared block: its own copy first)."""
         assert child_id not in self._block_tables, f"{child_id} already holds blocks"
+        self._revoke_room(source_id)  # its last block is about to be shared
         source_table = self._block_tables[source_id]
         shared = source_table[: cdiv(num_tokens, self.block_size)]
         assert len(shared) * self.block_size >= num_tokens, (source_id, num_tokens)
@@ -235,6 +260,7 @@ class KVCacheManager:
         """Release everything the request holds; a request holding nothing is fine."""
         # Tail blocks first: they are the least likely to be shared, so evict them first.
         table = self._block_tables.pop(request_id, [])
+        self._revoke_room(request_id)
         if self.disk_tier is not None:
             self.disk_tier.forget(request_id)  # a read-ahead it may have waited for
             if table:  # a producer sends its blocks on
@@ -285,62 +311,6 @@ class KVCacheManager:
             self.block_pool.register(
                 block, block_hash, entry.parent_content_id, entry.token_ids, entry.content_id
             )
-
-    @property
-    def host_pool(self) -> BlockPool | None:
-        """The swap space's host blocks (None without swap preemption)."""
-        return self.swap_space.pool if self.swap_space is not None else None
-
-    def can_swap_out(self, request: Request) -> bool:
-        """Whether the host pool has room for the request's computed blocks."""
-        if self.swap_space is None:
-            return False
-        blocks = self._computed_blocks(request)
-        needed = self.swap_space.num_new_host_blocks(blocks, self._num_full(request))
-        return needed <= self.swap_space.pool.num_free_blocks
-
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Moves the request's computed blocks to host blocks and drops its device blocks
-        (a block others share stays theirs); returns the (device, host) copies. Blocks
-        past its computed tokens are dropped (nothing was written there)."""
-        assert self.swap_space is not None and self.can_swap_out(request), request
-        self.drop_unwritten(request)
-        table = self._block_tables.get(request.request_id, [])
-        blocks = self._computed_blocks(request)
-        pairs = self.swap_space.swap_out(request.request_id, blocks, self._num_full(request))
-        self.block_pool.free(reversed(table))
-        table[:] = [NULL_BLOCK] * len(blocks)
-        if request.request_id in self._block_tables:
-            self.table_array.write(request.request_id, table)
-        return pairs
-
-    def swap_in(self, request: Request, num_spare_blocks: int) -> list[tuple[int, int]] | None:
-        """Brings a swapped-out request's blocks back (into new device blocks, or ones it
-        shares again), leaving at least `num_spare_blocks` free; returns the (host,
-        device) copies, or None (changing nothing) when the device pool has no room."""
-        assert self.swap_space is not None
-        needed = self.swap_space.num_new_device_blocks(request.request_id)
-        if needed + num_spare_blocks > self.block_pool.num_free_blocks:
-            return None
-        blocks, pairs = self.swap_space.swap_in(
-            request.request_id, self._num_full(request), self.block_pool.allocate
-        )
-        table = self._block_tables.setdefault(request.request_id, [])
-        for index, block in blocks.items():
-            table[index] = block
-        self.table_array.write(request.request_id, table)
-        return pairs
-
-    def get_host_blocks(self, request_id: str) -> dict[int, int]:
-        """A copy of the swapped-out request's {table index: host block}."""
-        return self.swap_space.get_host_blocks(request_id) if self.swap_space else {}
-
-    def _computed_blocks(self, request: Request) -> list[int]:
-        table = self._block_tables.get(request.request_id, [])
-        return table[: cdiv(request.num_computed_tokens, self.block_size)]
-
-    def _num_full(self, request: Request) -> int:
-        return request.num_computed_tokens // self.block_size
 
     def drop_unwritten(self, request: Request) -> None:
         """Uncache the blocks this request registered beyond its computed tokens.

@@ -70,8 +70,11 @@ class RunningRows:
                     continue
                 if placeholders == 1 and computed + 1 == num_tokens and not request.spec_token_ids:
                     # The steady decode row (most rows of most steps): its one token
-                    # is the one the previous step samples, still on the device.
-                    if not (
+                    # is the one the previous step samples, still on the device. Its
+                    # slot: one the KV cache manager granted, or asked for.
+                    if room := request.kv_room:
+                        request.kv_room = room - 1
+                    elif not (
                         kv.allocate_slot(request) or self._allocate(step, request, 1, [request])
                     ):
                         return
