@@ -127,6 +127,7 @@ class Setup:
         low = len(common.SPECIAL_TOKENS)
         self.prompts = rng.integers(low, args.vocab_size, (num_seqs, args.prompt_len)).tolist()
         self.sampled = rng.integers(low, args.vocab_size, 1 << 16).tolist()
+        self.sampled_array = np.array(self.sampled, np.int32)  # what a device hands back
 
     def shape(self, num_tokens: int) -> BatchShape:
         t = pick_bucket(num_tokens, self.buckets)
@@ -192,7 +193,8 @@ class NoDeviceRunner:
     def _result(self, n: int) -> _Done:
         start = (self.calls * 7919) % (len(self.setup.sampled) - n)
         self.calls += 1
-        tokens = np.array(self.setup.sampled[start : start + n], np.int32)
+        # A copy out of an array, as a device's result is (not a list's conversion).
+        tokens = self.setup.sampled_array[start : start + n].copy()
         zeros = np.zeros((n, 1), np.float32)
         return _Done(StepResult(tokens, zeros[:, 0], zeros.astype(np.int32), zeros, None))
 

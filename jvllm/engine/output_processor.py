@@ -21,6 +21,7 @@ from jvllm.engine.sequence_group import SequenceGroup, SequenceState
 from jvllm.engine.spec_decode import StepSequence
 from jvllm.engine.step_io import ScheduledRequest, SchedulerOutput, StepResult, StepRows
 from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import RequestOutputKind
 
 
 class BeamContinuation(NamedTuple):
@@ -78,9 +79,11 @@ class OutputProcessor:
 
     def add_group(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group
+        alone = len(group.children) == 1 and group.params.output_kind is _CUMULATIVE
         for state in group.children:
             self.sequences[state.request.request_id] = state
             self._count(state, 1)
+            state.streams_whole = alone
 
     def add_beam_group(self, group: BeamGroup) -> None:
         self.requests[group.request_id] = group
@@ -179,8 +182,10 @@ class OutputProcessor:
         whole = rows.whole if isinstance(rows, StepRows) else dict(enumerate(rows))
         inline = not self.speculates  # no drafts to verify or propose: plain rows inline
         num_inline = 0
-        for i, (state, wants) in enumerate(zip(states, want_prompt, strict=True)):
-            row = whole.get(i)  # None: a steady decode row (one token, sampled)
+        assert len(states) == len(want_prompt), (len(states), len(want_prompt))
+        for i, state in enumerate(states):  # (indexing: no tuple per row, as zip's)
+            wants = want_prompt[i]
+            row = whole.get(i) if whole else None  # None: a steady decode row (one token)
             if inline and not wants and state.plain_commit and (row is None or row.samples):
                 # Most rows: one token the scheduler appended, text and stop checks only
                 # (`_add_tokens` for one token, without logprobs or a grammar).
@@ -217,8 +222,10 @@ class OutputProcessor:
                 touched[group.request_id] = group  # its output once all its rows are in
             elif state.finished:
                 outputs.append(self._retire(group, final_only))
-            elif not final_only and (out := group.output()) is not None:
-                outputs.append(out)  # None: FINAL_ONLY, or a DELTA with nothing new
+            elif not final_only:
+                out = state.whole_output() if state.streams_whole else group.output()
+                if out is not None:  # None: FINAL_ONLY, or a DELTA with nothing new
+                    outputs.append(out)
         self.generation_tokens += num_inline
         continuations: list[BeamContinuation] = []
         for beams in proposed.values():
@@ -348,3 +355,6 @@ class OutputProcessor:
         out = group.output(final_only)
         assert out is not None  # a finished group always has its last output
         return out
+
+
+_CUMULATIVE = RequestOutputKind.CUMULATIVE

@@ -94,6 +94,9 @@ class SequenceState:
         # DELTA outputs: how much of the tokens and text earlier outputs carried; text
         # that could still start a stop string waits (the engine cuts a matched one).
         self.sent_tokens = self.sent_chars = 0
+        # Its request is this sequence alone and wants CUMULATIVE outputs (set when the
+        # output processor adds the group): `whole_output` is its output each step.
+        self.streams_whole = False
         self.holdback = (  # none when a matched stop string stays in the text (vLLM)
             0
             if params.include_stop_str_in_output
@@ -258,6 +261,32 @@ class SequenceState:
         finite = self.logprobs is not None and math.isfinite(self.cumulative_logprob)
         return self.cumulative_logprob if finite else None
 
+    def whole_output(self) -> RequestOutput:
+        """`SequenceGroup.output()` of a request that is this one sequence and wants
+        CUMULATIVE outputs (most requests, every step), without the group's dispatch."""
+        group, request, status = self.group, self.request, self.finished_status
+        assert group is not None
+        completion = CompletionOutput(  # `completion()`'s, in this call
+            self.index,
+            self.detok.output_text,
+            request.output_token_ids,
+            None if self.logprobs is None else self._cumulative_logprob(),
+            self.logprobs,
+            status.finish_reason if status is not None else None,
+            self.stop_reason,
+        )
+        return RequestOutput(  # positional: keywords cost a dict per request and step
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            self.prompt_logprobs,
+            [completion],
+            self.finished,
+            request.num_cached_tokens or 0,
+            None,  # metrics
+            request.lora_request,
+        )
+
     def completion(self) -> CompletionOutput:
         """Everything so far. As vLLM's, its token ids and logprobs are the sequence's own
         lists, which later steps extend (no copy of the whole output per step): copy them
@@ -307,9 +336,8 @@ class SequenceGroup:
         first = children[0]
         prompt_logprobs = first.prompt_logprobs
         if kind == _CUMULATIVE and len(children) == 1 and not final_only:
-            # The common case, asked of every running request every step.
-            finished, completions = first.finished, [first.completion()]
-        elif kind == _DELTA and not final_only:
+            return first.whole_output()  # the common case
+        if kind == _DELTA and not final_only:
             if len(children) == 1:  # one sequence: no generator, no list of them
                 finished = first.finished
                 if not finished and first.sent_tokens == len(first.request.output_token_ids):

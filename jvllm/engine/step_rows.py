@@ -86,7 +86,8 @@ class StepRows(Sequence[ScheduledRequest]):
         the step before), a whole row's its own."""
         assert self._columns is None, "sealed twice"
         n = len(self.requests)
-        table_rows = np.array(self.table_rows, np.int64).reshape(n)  # [n]
+        # fromiter: half np.array's cost for a list of ints (hundreds a step).
+        table_rows = np.fromiter(self.table_rows, np.int64, n)  # [n]
         num_tokens = np.ones(n, np.int64)  # [n]
         samples = np.ones(n, bool)  # [n]
         num_spec = np.zeros(n, np.int64)  # [n]
@@ -97,7 +98,7 @@ class StepRows(Sequence[ScheduledRequest]):
             num_spec[i] = row.num_spec_tokens
             samples[i] = row.samples
             prev[i] = -1 if row.prev_step_row is None else row.prev_step_row
-        starts = np.array(self.starts, np.int64).reshape(n)  # [n]
+        starts = np.fromiter(self.starts, np.int64, n)  # [n]
         self._columns = RowColumns(num_tokens, starts, table_rows, prev, samples, num_spec)
         return self._columns
 

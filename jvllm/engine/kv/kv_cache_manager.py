@@ -144,8 +144,8 @@ class KVCacheManager(Swapping):
         computed, block_size = request.num_computed_tokens, self.block_size
         offset = computed - (len(table) - 1) * block_size  # within the last block
         if 0 <= offset < block_size and self._ref_counts[table[-1]] == 1:
-            if offset == block_size - 1:  # it fills it
-                if self.enable_prefix_caching:
+            if offset == block_size - 1:  # it fills it (registered now if its token is known)
+                if self.enable_prefix_caching and computed < request.num_tokens:
                     self._register_full_blocks(request, table, computed + 1)
             else:  # room left before the slot that fills it
                 self._grant_room(request, block_size - 2 - offset)
@@ -345,11 +345,7 @@ class KVCacheManager(Swapping):
         """Registers the request's computed full blocks whose tokens have all become known
         (a block completed by a token that was still on the device when it was allocated)."""
         table = self._block_tables.get(request.request_id)
-        if not (self.enable_prefix_caching and table):
-            return
-        # Called for every committed row: most commits complete no block.
-        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        if full > len(self._content_ids.get(request.request_id, ())):
+        if self.enable_prefix_caching and table:
             self._register_full_blocks(request, table, request.num_computed_tokens)
 
     def _shared_blocks_in(self, table: list[int], start: int, end: int) -> list[int]:
@@ -407,7 +403,8 @@ class KVCacheManager(Swapping):
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         start, stop = index * self.block_size, (index + 1) * self.block_size
-        return request.get_token_ids(start, stop) + block_mm_keys(request, start, stop)
+        tokens = request.get_token_ids(start, stop)
+        return tokens + block_mm_keys(request, start, stop) if request.mm_features else tokens
 
     def _block_hash(self, request: Request, index: int, tokens: tuple | None = None) -> int:
         """Full block `index`'s chained hash (`tokens`: its `_block_tokens`, if known)."""

@@ -157,7 +157,8 @@ class Scheduler(Admission, RunningRows):
         assert len(sampled) >= len(rows), (len(sampled), len(rows))
         kv, block_size, whole = self.kv_cache_manager, self.block_size, rows.whole
         running = RequestStatus.RUNNING
-        for i, (request, token) in enumerate(zip(rows.requests, sampled, strict=False)):
+        for i, request in enumerate(rows.requests):  # (indexing: no tuple per row, as zip's)
+            token = sampled[i]
             row = whole.get(i) if whole else None  # None: a steady decode row
             status = request.status
             if status is not running and status.is_finished:
