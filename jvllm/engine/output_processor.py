@@ -223,7 +223,7 @@ class OutputProcessor:
             elif state.finished:
                 outputs.append(self._retire(group, final_only))
             elif not final_only:
-                out = state.whole_output() if state.streams_whole else group.output()
+                out = state.whole_output() if state.streams_whole else state.own_output()
                 if out is not None:  # None: FINAL_ONLY, or a DELTA with nothing new
                     outputs.append(out)
         self.generation_tokens += num_inline

@@ -95,7 +95,7 @@ class SequenceState:
         # that could still start a stop string waits (the engine cuts a matched one).
         self.sent_tokens = self.sent_chars = 0
         # Its request is this sequence alone and wants CUMULATIVE outputs (set when the
-        # output processor adds the group): `whole_output` is its output each step.
+        # output processor adds the group): `whole_output()` is its output every step.
         self.streams_whole = False
         self.holdback = (  # none when a matched stop string stays in the text (vLLM)
             0
@@ -261,12 +261,32 @@ class SequenceState:
         finite = self.logprobs is not None and math.isfinite(self.cumulative_logprob)
         return self.cumulative_logprob if finite else None
 
+    def own_output(self, final_only: bool = False) -> RequestOutput | None:
+        """`SequenceGroup.output()` of a request that is this sequence alone: everything
+        so far (CUMULATIVE), what is new (DELTA; None when nothing is), or, before it
+        finishes, None (FINAL_ONLY, and the offline API's `final_only`)."""
+        group, status = self.group, self.finished_status
+        assert group is not None
+        kind = group.params.output_kind
+        if kind is _CUMULATIVE and not final_only:
+            return self.whole_output()
+        if kind is _DELTA and not final_only:
+            if status is None and self.sent_tokens == len(self.request.output_token_ids):
+                return None  # nothing new
+            # Prompt logprobs go with the first output only.
+            sent_prompt_logprobs, group.sent_prompt_logprobs = group.sent_prompt_logprobs, True
+            return self._output([self.delta()], sent_prompt_logprobs)
+        if status is None:
+            return None
+        return self._output([self.completion()])
+
     def whole_output(self) -> RequestOutput:
-        """`SequenceGroup.output()` of a request that is this one sequence and wants
-        CUMULATIVE outputs (most requests, every step), without the group's dispatch."""
+        """`own_output()` of a CUMULATIVE request (most requests, every step) in one call:
+        `completion()` and `_output()` written out here (a call each costs ~2% of a
+        request's host work in a decode step)."""
         group, request, status = self.group, self.request, self.finished_status
         assert group is not None
-        completion = CompletionOutput(  # `completion()`'s, in this call
+        completion = CompletionOutput(
             self.index,
             self.detok.output_text,
             request.output_token_ids,
@@ -275,12 +295,29 @@ class SequenceState:
             status.finish_reason if status is not None else None,
             self.stop_reason,
         )
-        return RequestOutput(  # positional: keywords cost a dict per request and step
+        return RequestOutput(
             group.request_id,
             group.prompt,
             group.prompt_token_ids,
             self.prompt_logprobs,
             [completion],
+            status is not None,
+            request.num_cached_tokens or 0,
+            None,  # metrics
+            request.lora_request,
+        )
+
+    def _output(
+        self, completions: list[CompletionOutput], without_prompt_logprobs: bool = False
+    ) -> RequestOutput:
+        group, request = self.group, self.request
+        assert group is not None
+        return RequestOutput(  # positional: keywords cost a dict per request and step
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            None if without_prompt_logprobs else self.prompt_logprobs,
+            completions,
             self.finished,
             request.num_cached_tokens or 0,
             None,  # metrics
@@ -333,39 +370,31 @@ class SequenceGroup:
         new (None when nothing is), or, before it finishes, None (FINAL_ONLY). With
         `final_only` (the offline API) the whole result, once finished."""
         kind, children = self.params.output_kind, self.children
-        first = children[0]
-        prompt_logprobs = first.prompt_logprobs
-        if kind == _CUMULATIVE and len(children) == 1 and not final_only:
-            return first.whole_output()  # the common case
+        if len(children) == 1:
+            return children[0].own_output(final_only)
+        prompt_logprobs = children[0].prompt_logprobs
+        finished = self.finished
         if kind == _DELTA and not final_only:
-            if len(children) == 1:  # one sequence: no generator, no list of them
-                finished = first.finished
-                if not finished and first.sent_tokens == len(first.request.output_token_ids):
-                    return None  # nothing new
-                completions = [first.delta()]
-            else:
-                finished = self.finished
-                if not finished and all(c.sent_tokens == c.num_outputs for c in children):
-                    return None  # nothing new
-                completions = [c.delta() for c in children]
+            if not finished and all(c.sent_tokens == c.num_outputs for c in children):
+                return None  # nothing new
+            completions = [c.delta() for c in children]
             if self.sent_prompt_logprobs:  # they go with the first output only
                 prompt_logprobs = None
             self.sent_prompt_logprobs = True
+        elif (final_only or kind == _FINAL_ONLY) and not finished:
+            return None
         else:
-            finished = self.finished
-            if (final_only or kind == _FINAL_ONLY) and not finished:
-                return None
             completions = [c.completion() for c in children]
-        return RequestOutput(  # positional: keywords cost a dict per request and step
+        return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
             prompt_logprobs,
             completions,
             finished,
-            first.request.num_cached_tokens or 0,
+            children[0].request.num_cached_tokens or 0,
             None,  # metrics
-            first.request.lora_request,
+            children[0].request.lora_request,
         )
 
 
