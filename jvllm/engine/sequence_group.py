@@ -265,20 +265,12 @@ class SequenceState:
         """`SequenceGroup.output()` of a request that is this sequence alone: everything
         so far (CUMULATIVE), what is new (DELTA; None when nothing is), or, before it
         finishes, None (FINAL_ONLY, and the offline API's `final_only`)."""
-        group, status = self.group, self.finished_status
+        group = self.group
         assert group is not None
         kind = group.params.output_kind
-        if kind is _CUMULATIVE and not final_only:
-            return self.whole_output()
-        if kind is _DELTA and not final_only:
-            if status is None and self.sent_tokens == len(self.request.output_token_ids):
-                return None  # nothing new
-            # Prompt logprobs go with the first output only.
-            sent_prompt_logprobs, group.sent_prompt_logprobs = group.sent_prompt_logprobs, True
-            return self._output([self.delta()], sent_prompt_logprobs)
-        if status is None:
-            return None
-        return self._output([self.completion()])
+        if final_only or kind is _FINAL_ONLY:
+            return None if self.finished_status is None else self.whole_output()
+        return self.delta_output() if kind is _DELTA else self.whole_output()
 
     def whole_output(self) -> RequestOutput:
         """`own_output()` of a CUMULATIVE request (most requests, every step) in one call:
@@ -307,18 +299,36 @@ class SequenceState:
             request.lora_request,
         )
 
-    def _output(
-        self, completions: list[CompletionOutput], without_prompt_logprobs: bool = False
-    ) -> RequestOutput:
-        group, request = self.group, self.request
+    def delta_output(self) -> RequestOutput | None:
+        """`own_output()` of a DELTA request (what streaming clients get, every step) in
+        one call: `delta()` and `_output()` written out here; None when nothing is new."""
+        group, request, status = self.group, self.request, self.finished_status
         assert group is not None
-        return RequestOutput(  # positional: keywords cost a dict per request and step
+        tokens, start = request.output_token_ids, self.sent_tokens
+        if status is None and start == len(tokens):
+            return None
+        text, sent_chars, logprobs = self.detok.output_text, self.sent_chars, self.logprobs
+        visible = len(text) if status else max(sent_chars, len(text) - self.holdback)
+        completion = CompletionOutput(
+            self.index,
+            text[sent_chars:visible],
+            tokens[start:],
+            None if logprobs is None else self._cumulative_logprob(),
+            None if logprobs is None else logprobs[start:],
+            status.finish_reason if status is not None else None,
+            self.stop_reason,
+        )
+        self.sent_chars, self.sent_tokens = visible, len(tokens)
+        # Prompt logprobs go with the first output only.
+        prompt_logprobs = None if group.sent_prompt_logprobs else self.prompt_logprobs
+        group.sent_prompt_logprobs = True
+        return RequestOutput(
             group.request_id,
             group.prompt,
             group.prompt_token_ids,
-            None if without_prompt_logprobs else self.prompt_logprobs,
-            completions,
-            self.finished,
+            prompt_logprobs,
+            [completion],
+            status is not None,
             request.num_cached_tokens or 0,
             None,  # metrics
             request.lora_request,
@@ -403,5 +413,4 @@ def _no_text(ids: list[int], skip_special_tokens: bool) -> None:
 
 
 # Read once per request and step: module constants, not attributes of the enum class.
-_CUMULATIVE = RequestOutputKind.CUMULATIVE
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

@@ -285,7 +285,7 @@ def test_allocate_slot_matches_allocate_slots_one_token(caching):
                 table = twins[0].get_block_table(rid)
                 offset = live[rid][0].num_computed_tokens - (len(table) - 1) * BS
                 assert twins[0].block_pool.ref_count(table[-1]) == 1, (op, rid)
-                assert 0 <= offset and offset + room <= BS - 1, (op, rid, offset, room)
+                assert offset >= 0 and offset + room <= BS - 1, (op, rid, offset, room)
             for kv in twins:  # the persistent array row mirrors the list
                 table = kv.get_block_table(rid)
                 if table:
