@@ -14,8 +14,8 @@
 // group. A decode row (one query) is one item for all its heads (up to kRows), which
 // reads each key's row of every KV head at once and prefetches the next block: decode
 // is bound by reading the cache, and this was 1.6x faster at 48 rows of context 300.
-// Items are split over a few threads when the step has enough work to pay for
-// starting them.
+// Items are shared with the threads of XLA's intra-op pool when the step has enough
+// work to pay for waking them.
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -36,7 +37,7 @@ constexpr int kMaxGroup = 16;     // query heads per KV head
 constexpr int kMaxHeadDim = 256;  // head_dim
 constexpr int kTile = 8;  // queries of one sequence per work item (fewer for wide groups)
 constexpr int kRows = 32;  // (query, head) rows per work item
-constexpr int64_t kPairsPerThread = 4096;  // (query, key) pairs one more thread must have
+constexpr int64_t kPairsPerThread = 512;  // (query, key) pairs one more thread must have
 
 // exp(x) for x <= 0 to about 2 ulp: a degree-6 polynomial after range reduction, written
 // without calls so that the compiler vectorises the loops that use it (libm's expf is
@@ -278,12 +279,21 @@ void AttendItem(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
+// What the threads of one call share. A pool thread may start after the call returned
+// (every item taken): it then only reads `next_item`, so the state outlives the call.
+struct Work {
+  std::vector<Item> items;
+  std::atomic<size_t> next_item{0};
+  std::atomic<size_t> items_done{0};
+};
+
 template <typename T>
-void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
-            const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
+void Attend(ffi::ThreadPool& pool, const Shapes& sh, const T* q, const T* k_cache,
+            const T* v_cache, const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
             const Options& opt, T* out) {
   std::memset(out, 0, sizeof(T) * sh.num_tokens * sh.num_heads * sh.head_dim);
-  std::vector<Item> items;
+  auto work = std::make_shared<Work>();
+  std::vector<Item>& items = work->items;
   int64_t pairs = 0;  // (query, key) pairs, a measure of the step's work
   for (int64_t s = 0; s < sh.num_seqs; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -304,11 +314,11 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
     }
   }
   // Threads take the next item as they finish one, so a thread that the OS holds back
-  // (another process on its core) delays the step by an item, not by half the work.
-  std::atomic<size_t> next_item{0};
-  auto run = [&]() {
-    for (size_t k; (k = next_item.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
-      const Item& it = items[k];
+  // (another process on its core) delays the step by an item, not by half the work; the
+  // caller waits for the items taken, never for a pool thread that has not started.
+  auto run = [=, &sh, &opt](Work& w) {
+    for (size_t k; (k = w.next_item.fetch_add(1, std::memory_order_relaxed)) < w.items.size();) {
+      const Item& it = w.items[k];
       const int32_t* table = tables + it.seq * sh.width;
       if (sh.head_dim == 64) {
         AttendItem<64>(sh, q, k_cache, v_cache, table, it, opt, out);
@@ -317,22 +327,31 @@ void Attend(const Shapes& sh, const T* q, const T* k_cache, const T* v_cache,
       } else {
         AttendItem<0>(sh, q, k_cache, v_cache, table, it, opt, out);
       }
+      w.items_done.fetch_add(1, std::memory_order_release);
     }
   };
   static const int64_t max_threads = [] {  // JVLLM_CPU_ATTENTION_THREADS caps it
     const char* env = std::getenv("JVLLM_CPU_ATTENTION_THREADS");
-    const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
-    return env ? std::clamp<int64_t>(std::atoll(env), 1, hardware) : hardware;
+    return env ? std::max<int64_t>(std::atoll(env), 1) : INT64_MAX;
   }();
-  const int64_t num_threads = std::clamp<int64_t>(pairs / kPairsPerThread, 1, max_threads);
-  std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(run);
-  run();
-  for (auto& t : helpers) t.join();
+  const int64_t pool_threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t num_threads = std::clamp<int64_t>(
+      std::min<int64_t>(pairs / kPairsPerThread, static_cast<int64_t>(items.size())), 1,
+      std::min(max_threads, pool_threads));
+  for (int64_t t = 1; t < num_threads; ++t) {
+    // A helper that starts once every item is taken returns at once; one scheduled
+    // after the call returned touches nothing but `work`, which it keeps alive.
+    pool.Schedule([work, run]() mutable { run(*work); });
+  }
+  run(*work);
+  while (work->items_done.load(std::memory_order_acquire) < items.size()) {
+    std::this_thread::yield();  // a pool thread is finishing the items it took
+  }
 }
 
-ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> seq_lens,
                            ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
                            ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                            int64_t sliding_window) {
@@ -353,12 +372,12 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::Any
   const auto* lens = seq_lens.typed_data();
   const auto* qsl = query_start_loc.typed_data();
   if (q.element_type() == ffi::F32) {
-    Attend(sh, static_cast<const float*>(q.untyped_data()),
+    Attend(pool, sh, static_cast<const float*>(q.untyped_data()),
            static_cast<const float*>(k_cache.untyped_data()),
            static_cast<const float*>(v_cache.untyped_data()), tables, lens, qsl, opt,
            static_cast<float*>(out->untyped_data()));
   } else if (q.element_type() == ffi::BF16) {
-    Attend(sh, static_cast<const uint16_t*>(q.untyped_data()),
+    Attend(pool, sh, static_cast<const uint16_t*>(q.untyped_data()),
            static_cast<const uint16_t*>(k_cache.untyped_data()),
            static_cast<const uint16_t*>(v_cache.untyped_data()), tables, lens, qsl, opt,
            static_cast<uint16_t*>(out->untyped_data()));
@@ -372,6 +391,7 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::Any
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
