@@ -264,8 +264,8 @@ def test_prompt_logprobs_of_one_long_step_match_hf(checkpoints, hf_models):
 
 
 def test_token_slots_count_each_forward_and_its_padding(checkpoints):
-    # Token buckets of 16 up to 64, and 4 and 8 below them on a CPU device: a prompt of
-    # 40 runs in 48 slots, each decode token in 4.
+    # Token buckets of 16 up to 64, and 1, 4 and 8 below them on a CPU device: a prompt
+    # of 40 runs in 48 slots, each decode token in 1.
     llm = make_llm(checkpoints["mistral"], max_num_seqs=4, max_num_batched_tokens=64)
     runner = llm.engine.runner
     before = list(runner.token_slots)
@@ -274,8 +274,8 @@ def test_token_slots_count_each_forward_and_its_padding(checkpoints):
     assert len(out.outputs[0].token_ids) == 3
     # The prompt's 40 tokens, then the first two outputs fed back one step each.
     real, slots = (b - a for a, b in zip(before, runner.token_slots, strict=True))
-    assert runner.token_buckets == (4, 8, 16, 32, 48, 64)
-    assert (real, slots) == (40 + 2, 48 + 4 + 4)
+    assert runner.token_buckets == (1, 4, 8, 16, 32, 48, 64)
+    assert (real, slots) == (40 + 2, 48 + 1 + 1)
 
 
 def test_no_compilations_after_warm_up(checkpoints):
