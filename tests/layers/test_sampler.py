@@ -26,6 +26,7 @@ from jvllm.layers.sampler import (
     penalty_entries_needed,
     sample,
 )
+from jvllm.layers.sampler.draws import RACE_BLOCK, blocked_race, row_key
 from jvllm.sampling_params import NUM_TOP_CANDIDATES, SamplingParams
 
 sample_jit = jax.jit(sample)
@@ -306,23 +307,72 @@ def test_sampled_frequencies_match_numpy_distribution(params: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num, group_rows", [(512, None), (200, 40)])
-def test_the_draw_is_jax_gumbel_max_of_the_row_key(num: int, group_rows: int | None) -> None:
-    """The exponential race picks the token JAX's own Gumbel-max picks from the row's key
-    (`jax.random.gumbel`), token for token: the same draw, computed with fewer logs, and
-    the same when the rows go in groups (`group_rows`: 200 rows, five groups of 40)."""
+def test_the_draw_races_blocks_then_entries_with_jax_gumbel_noise(num: int, group_rows):
+    """A sampled row's token is a Gumbel-max over its blocks of 256 entries (log of
+    each block's float64 softmax mass plus `jax.random.gumbel` of the row's key), then
+    over the winning block's entries (noise from the key folded with 1), token for
+    token; the same when the rows go in groups (`group_rows`: 200 rows, five groups of
+    40); vocabs of whole blocks, of one partial block, and of several and a part."""
     draw = jax.jit(functools.partial(sample, group_rows=group_rows))
-    for vocab, scale in ((8192, 1.0), (40, 3.0)):
+    for vocab, scale in ((8192, 1.0), (40, 3.0), (1000, 2.0)):
         logits = _logits(num, vocab, seed=vocab, scale=scale)
-        rows = [_row(seed=7 * i, step=i % 9, temperature=1.0) for i in range(num)]
+        rows = [_row(seed=7 * i, step=i % 9, temperature=0.8) for i in range(num)]
         tokens = np.asarray(draw(logits, make_sampling_metadata(rows, num)).token_ids)
         seeds, steps = np.arange(num) * 7, np.arange(num) % 9
+        blocks = -(-vocab // RACE_BLOCK)
 
-        def gumbel(seed: jax.Array, step: jax.Array, vocab: int = vocab) -> jax.Array:
+        def noise(seed: jax.Array, step: jax.Array, blocks: int = blocks) -> tuple:
             key = jax.random.fold_in(jax.random.key(seed), step)
-            return jax.random.gumbel(key, (vocab,), mode="low")
+            entry_key = jax.random.fold_in(key, 1)
+            return (
+                jax.random.gumbel(key, (blocks,), mode="low"),
+                jax.random.gumbel(entry_key, (RACE_BLOCK,), mode="low"),
+            )
 
-        noise = np.asarray(jax.vmap(gumbel)(seeds, steps))
-        np.testing.assert_array_equal(tokens, np.argmax(logits + noise, axis=-1))
+        block_noise, entry_noise = (np.asarray(a) for a in jax.vmap(noise)(seeds, steps))
+        scaled = logits.astype(np.float64) / 0.8
+        weights = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+        weights = np.pad(weights, ((0, 0), (0, blocks * RACE_BLOCK - vocab)))
+        by_block = weights.reshape(num, blocks, RACE_BLOCK)
+        with np.errstate(divide="ignore"):  # padding and empty blocks: log 0 = -inf
+            block = np.argmax(np.log(by_block.sum(-1)) + block_noise, axis=-1)
+            entries = np.log(by_block[np.arange(num), block]) + entry_noise
+        np.testing.assert_array_equal(tokens, block * RACE_BLOCK + np.argmax(entries, axis=-1))
+
+
+def test_blocked_race_never_draws_a_token_without_weight() -> None:
+    """Zero-weight tokens (dropped by a filter, a whole empty block, past a partial
+    block) are never drawn; a row of one token gives it whatever the key."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 256, 700  # three blocks of 256, the last one partly padding
+    weights = np.exp(rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    weights[:, :5] = 0.0
+    weights[:, 600:] = 0.0
+    weights[::4, 256:512] = 0.0
+    weights[1::4, rng.choice(vocab, 300, replace=False)] = 0.0
+    weights[2::4, :] = np.where(rng.random(vocab) < 0.99, 0.0, weights[2::4, :])  # sparse
+    keys = jax.vmap(row_key)(np.arange(rows), np.zeros(rows, np.int32))
+    tokens = np.asarray(jax.jit(blocked_race)(weights, keys))
+    assert np.all(weights[np.arange(rows), tokens] > 0)
+    one = np.zeros((rows, vocab), np.float32)
+    one[:, 517] = 0.25
+    np.testing.assert_array_equal(np.asarray(jax.jit(blocked_race)(one, keys)), 517)
+
+
+def test_blocked_race_gives_a_row_the_same_token_in_any_batch() -> None:
+    """Bit for bit the same token for a row alone, in batches of other sizes, in any
+    position, jitted or not: its sums never depend on the other rows."""
+    rng = np.random.default_rng(4)
+    weights = np.exp(rng.normal(size=(48, 8192)) * 4).astype(np.float32)
+    keys = jax.vmap(row_key)(rng.integers(0, 2**31, 48), np.arange(48))
+    whole = np.asarray(jax.jit(blocked_race)(weights, keys))
+    for size in (1, 5, 16):
+        for lo in range(0, 48 - size + 1, 11):
+            part = np.asarray(blocked_race(weights[lo : lo + size], keys[lo : lo + size]))
+            np.testing.assert_array_equal(part, whole[lo : lo + size])
+    order = rng.permutation(48)
+    shuffled = np.asarray(jax.jit(blocked_race)(weights[order], keys[order]))
+    np.testing.assert_array_equal(shuffled, whole[order])
 
 
 def _mixed_rows(num: int, vocab: int) -> list[SamplingRow]:

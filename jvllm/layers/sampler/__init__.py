@@ -11,7 +11,7 @@ Every sampling knob is an array, never a static argument: new temperatures or se
 reuse the compiled program; only the shapes S, V, E and F select one.
 """
 
-from jvllm.layers.sampler.draws import argmax_rows, inverse_cdf_draw
+from jvllm.layers.sampler.draws import argmax_rows, blocked_race, inverse_cdf_draw
 from jvllm.layers.sampler.metadata import (
     MIN_BIAS_ENTRIES,
     MIN_PENALTY_ENTRIES,
@@ -32,6 +32,7 @@ from jvllm.layers.sampler.sampling import (
 from jvllm.layers.sampler.top_k_top_p import TOP_CANDIDATES, filter_logits
 
 __all__ = [
+    "blocked_race",
     "GROUP_ROWS_CPU",
     "MIN_BIAS_ENTRIES",
     "MIN_PENALTY_ENTRIES",

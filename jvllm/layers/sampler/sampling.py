@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jvllm.layers.sampler.draws import argmax_rows, exponentials, row_key
+from jvllm.layers.sampler.draws import argmax_rows, blocked_race, row_key
 from jvllm.layers.sampler.metadata import SamplingMetadata
 from jvllm.layers.sampler.rejection import rejection_sample, target_probs
 from jvllm.layers.sampler.top_k_top_p import filter_logits
@@ -248,8 +248,8 @@ def _penalise(logits: jax.Array, md: SamplingMetadata, last_input: jax.Array) ->
 
 
 def _draw(filtered: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Gumbel-max from softmax(filtered), one independent key per row (`_exponentials`)."""
+    """A token from softmax(filtered) per row, by a race keyed by the row alone
+    (`blocked_race`)."""
     keys = jax.vmap(row_key)(md.seeds, md.step_index)
     weights = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))  # dropped: 0
-    noise = exponentials(keys, filtered.shape[-1])
-    return argmax_rows(weights / noise)
+    return blocked_race(weights, keys)
