@@ -4,8 +4,9 @@ A row whose position holds a draft token d drawn from q accepts d with probabili
 min(1, p(d) / q(d)), p being the row's target distribution after every processor, and
 otherwise draws from the normalised residual max(p - q, 0), so the token is
 distributed as p exactly. A rejected d has no residual mass, so a row kept its draft
-exactly when its token equals the draft. Owns that test and the inverse-CDF draw it
-uses; not the target distribution's processors (`sampling.py`, `top_k_top_p.py`).
+exactly when its token equals the draft. Owns that test; the residual's draw is the
+sampler's (`draws.blocked_race`), not the target distribution's processors
+(`sampling.py`, `top_k_top_p.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jvllm.layers.sampler.draws import argmax_rows, exponentials
+from jvllm.layers.sampler.draws import argmax_rows, blocked_race
 from jvllm.layers.sampler.metadata import SamplingMetadata
 from jvllm.layers.sampler.top_k_top_p import filter_logits
 from jvllm.sampling_params import SAMPLING_EPS
@@ -48,5 +49,5 @@ def rejection_sample(
     accept = u * q_d < p_d  # u < p(d) / q(d), without dividing by a zero q(d)
     weights = jnp.maximum(p - q, 0.0) if residual else p
     weights = jnp.where(jnp.sum(weights, axis=-1, keepdims=True) > 0, weights, p)
-    replacement = argmax_rows(weights / exponentials(keys, p.shape[-1]))
+    replacement = blocked_race(weights, keys)
     return jnp.where(accept, draft_ids.astype(jnp.int32), replacement)
