@@ -91,7 +91,7 @@ def test_throughput_tiny_preset(tmp_path: Path) -> None:
 
 def test_peer_run_jvllm_reports_tokens_and_padding(tmp_path: Path, checkpoints) -> None:
     """bench/peer_run.py's jvllm side, as bench/peer.py starts it: one request of a
-    40-token prompt and 3 outputs, token buckets of 4, 8 and 16 up to 64."""
+    40-token prompt and 3 outputs, token buckets of 1, 4, 8 and 16 up to 64."""
     spec = tmp_path / "requests.json"
     engine = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64}
     ids = list(range(10, 50))
@@ -104,10 +104,10 @@ def test_peer_run_jvllm_reports_tokens_and_padding(tmp_path: Path, checkpoints) 
     result = json.loads(line[len("RESULT ") :])
     assert result["output_tokens"] == 3 and len(result["tokens"][0]) == 3
     assert result["output_tokens_per_s"] == pytest.approx(3 / result["elapsed_s"])
-    # The prompt in a 48-token forward, the first two outputs fed back in 4 each (the
+    # The prompt in a 48-token forward, the first two outputs fed back in 1 each (the
     # smallest bucket on a CPU device).
-    assert (result["forward_tokens"], result["forward_token_slots"]) == (42, 56)
-    assert result["padding"] == pytest.approx(1 - 42 / 56)
+    assert (result["forward_tokens"], result["forward_token_slots"]) == (42, 50)
+    assert result["padding"] == pytest.approx(1 - 42 / 50)
 
 
 def test_host_overhead_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
