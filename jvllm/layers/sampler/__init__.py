@@ -32,7 +32,6 @@ from jvllm.layers.sampler.sampling import (
 from jvllm.layers.sampler.top_k_top_p import TOP_CANDIDATES, filter_logits
 
 __all__ = [
-    "blocked_race",
     "GROUP_ROWS_CPU",
     "MIN_BIAS_ENTRIES",
     "MIN_PENALTY_ENTRIES",
@@ -43,6 +42,7 @@ __all__ = [
     "apply_token_bitmask",
     "argmax_rows",
     "bias_entries_needed",
+    "blocked_race",
     "filter_logits",
     "inverse_cdf_draw",
     "make_sampling_metadata",
