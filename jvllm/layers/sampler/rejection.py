@@ -4,8 +4,8 @@ A row whose position holds a draft token d drawn from q accepts d with probabili
 min(1, p(d) / q(d)), p being the row's target distribution after every processor, and
 otherwise draws from the normalised residual max(p - q, 0), so the token is
 distributed as p exactly. A rejected d has no residual mass, so a row kept its draft
-exactly when its token equals the draft. Owns that test; the residual's draw is the
-sampler's (`draws.blocked_race`), not the target distribution's processors
+exactly when its token equals the draft. Owns that test; not the residual's draw
+(`draws.blocked_race`, the sampler's) or the target distribution's processors
 (`sampling.py`, `top_k_top_p.py`).
 """
 
